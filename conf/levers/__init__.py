@@ -1,0 +1,1 @@
+"""Hydra configs: one YAML per choice."""

@@ -1,0 +1,17 @@
+"""The op library (installed as `mtpfactory.kernels`): one file per op, each holding the op's PyTorch
+reference (provider `native`, the definition) and, where one exists, its fast provider and launcher.
+
+Importing this package defines every op in `mtpfactory.ops`.
+"""
+
+from mtpfactory.kernels.argmax import argmax
+from mtpfactory.kernels.embedding import embedding
+from mtpfactory.kernels.linear import linear
+from mtpfactory.kernels.moe import fused_moe, moe_route_softmax
+from mtpfactory.kernels.paged_attention import paged_decode_attention
+from mtpfactory.kernels.reshape_and_cache import reshape_and_cache
+from mtpfactory.kernels.rms_norm import rms_norm
+from mtpfactory.kernels.rope import rope_neox
+
+__all__ = ["argmax", "embedding", "fused_moe", "linear", "moe_route_softmax", "paged_decode_attention",
+           "reshape_and_cache", "rms_norm", "rope_neox"]

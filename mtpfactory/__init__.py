@@ -1,0 +1,61 @@
+"""mtpfactory: build MTP (multi-token-prediction) speculative-decoding draft heads from Hydra configs.
+
+    import mtpfactory
+    cfg = mtpfactory.compose("+head=bf16_moe", "runtime.max_seqs=4")
+    head = mtpfactory.build_head(cfg)          # synthetic weights, or pass a mapping of checkpoint tensors
+    head.prefill(seq_id, tokens, hidden, positions)
+    logits, hidden_out = head.step(seq_ids, tokens, hidden, positions)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from omegaconf import DictConfig
+
+from mtpfactory.config import compose, list_heads
+from mtpfactory.errors import (ConfigError, InputError, KVPoolExhaustedError, MtpfError, UnknownNameError,
+                               WeightsError)
+from mtpfactory.heads.base import DraftHead
+from mtpfactory.registry import register
+
+__all__ = ["ConfigError", "DraftHead", "InputError", "KVPoolExhaustedError", "MtpfError", "UnknownNameError",
+           "WeightsError", "build_head", "compose", "kv_reserve_bytes", "list_heads", "register"]
+
+
+def _head_builder(cfg: DictConfig):
+    from mtpfactory import registry
+
+    if cfg.get("head") is None:
+        raise ConfigError("head", None, f"no head chosen; heads: {', '.join(list_heads())}",
+                          "compose with +head=NAME")
+    return registry.get("head", cfg.head.name)
+
+
+def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | None = None) -> DraftHead:
+    """Build the head `cfg` describes. `weights`: None for what `cfg.weights` says (synthetic from
+    `weights.seed`), or a mapping of checkpoint-named tensors (DESIGN 2.1 names)."""
+    from mtpfactory.build import BuildContext, runtime_device, runtime_dtype
+    from mtpfactory.weights.source import TensorSource
+    from mtpfactory.weights.synthetic import qwen_mtp_weights
+
+    builder = _head_builder(cfg)
+    if weights is None:
+        if cfg.weights.source != "synthetic":
+            raise ConfigError("weights.source", cfg.weights.source, "allowed: synthetic",
+                              "use weights=synthetic, or pass a mapping of tensors to build_head")
+        weights, origin = qwen_mtp_weights(cfg.model, builder.ffn_form, cfg.weights.seed), "synthetic weights"
+    elif isinstance(weights, Mapping):
+        origin = "the weights passed to build_head"
+    else:
+        raise ConfigError("weights", type(weights).__name__, "a mapping of checkpoint names to tensors, or None",
+                          "pass a dict such as safetensors.torch.load_file(path)")
+    ctx = BuildContext(cfg, TensorSource(weights, origin), runtime_dtype(cfg), runtime_device(cfg))
+    return builder.build(ctx)
+
+
+def kv_reserve_bytes(cfg: DictConfig) -> int:
+    """Bytes the drafter's KV pool takes for `cfg`, computed without building the head (the same
+    pool-sizing function the head uses)."""
+    return _head_builder(cfg).pool_spec(cfg).nbytes

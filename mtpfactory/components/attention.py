@@ -1,0 +1,63 @@
+"""Gated GQA attention (Qwen3-Next full attention) over the drafter's paged KV cache.
+
+q|gate = q_proj(x) viewed [heads, 2 * head_dim] (per head: q first, then its gate); q = q_norm(q),
+k = k_norm(k_proj(x)), v = v_proj(x); NeoX RoPE on the first partial_rotary_factor of head_dim;
+out = o_proj(attention(q, K, V) * sigmoid(gate)).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtpfactory import kernels as K
+from mtpfactory.components.cache import PagedKVCache
+from mtpfactory.components.linear import Linear
+from mtpfactory.kernels.rope import rope_inv_freq
+
+
+class GatedGQAAttention(nn.Module):
+    def __init__(self, q_proj: Linear, k_proj: Linear, v_proj: Linear, o_proj: Linear, q_norm: nn.Module,
+                 k_norm: nn.Module, *, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
+                 rope_theta: float, cache: PagedKVCache) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, rope_theta), persistent=False)
+        self.scale = head_dim ** -0.5
+        self.cache = cache
+
+    def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))  # [N, kv_heads, D]
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        return K.rope_neox(k, positions, self.inv_freq), v
+
+    def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the K/V rows of x (already input-normed, [N, H]) at `slots`, without attending."""
+        k, v = self._kv(x, positions)
+        K.reshape_and_cache(k, v, self.cache.k, self.cache.v, slots)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """One row per sequence: write its K/V at `slots`, attend over its context; [B, H] -> [B, H]."""
+        b = x.shape[0]
+        qg = self.q_proj(x).view(b, self.num_heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]  # [B, heads, D] each
+        q = K.rope_neox(self.q_norm(q), positions, self.inv_freq)
+        self.write_kv(x, positions, slots)
+        a = K.paged_decode_attention(q, self.cache.k, self.cache.v, block_tables, context_lens, self.scale,
+                                     gate.contiguous())
+        return self.o_proj(a.reshape(b, self.num_heads * self.head_dim))
+
+
+def build_gated_gqa(ctx, prefix: str, *, q_norm: nn.Module, k_norm: nn.Module,
+                    cache: PagedKVCache) -> GatedGQAAttention:
+    m = ctx.model
+    h, nq, nkv, hd = m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim
+    return GatedGQAAttention(
+        ctx.linear(prefix + "q_proj", nq * hd * 2, h), ctx.linear(prefix + "k_proj", nkv * hd, h),
+        ctx.linear(prefix + "v_proj", nkv * hd, h), ctx.linear(prefix + "o_proj", h, nq * hd),
+        q_norm, k_norm, num_heads=nq, num_kv_heads=nkv, head_dim=hd,
+        rotary_dim=int(hd * m.partial_rotary_factor), rope_theta=m.rope_theta, cache=cache)

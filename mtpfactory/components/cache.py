@@ -1,0 +1,154 @@
+"""The drafter's paged KV pool and the state of each sequence (DESIGN 5).
+
+A sequence's state is one written range of positions [start, end). The first write sets start; a write
+covers consecutive positions p..q with start <= p <= end, overwrites p..q and drops everything after q
+(end = q + 1). Position p lives in slot p - start of the sequence's block list, so a drafter that starts
+cold at a late position uses no blocks for the positions before it. Every check runs before any state
+changes: a refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mtpfactory.errors import InputError, KVPoolExhaustedError
+
+
+def drafter_pool_blocks(max_seq_len: int, block_size: int, max_seqs: int, main_kv_blocks: int,
+                        extra_blocks: int = 1) -> int:
+    """Blocks in the drafter's KV pool (DESIGN 7): per_seq * max_seqs, where per_seq =
+    max_seq_len // block_size + extra_blocks; when the target's pool size `main_kv_blocks` is given (> 0),
+    capped at it but never below one sequence's worth."""
+    per_seq = max_seq_len // block_size + extra_blocks
+    if main_kv_blocks == 0:
+        return per_seq * max_seqs
+    return min(per_seq * max_seqs, max(main_kv_blocks, per_seq))
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The shape of a drafter's KV pool: `num_blocks` blocks of `block_size` tokens, K and V each
+    [kv_heads, head_dim] per token."""
+
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_blocks * self.block_size * self.kv_heads * self.head_dim * elem
+
+
+@dataclass
+class SeqState:
+    start: int
+    end: int
+    blocks: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """Where rows p..q of one sequence go: their slots in the pool, and the sequence's state after."""
+
+    seq_id: int
+    p: int
+    q: int
+
+
+class PagedKVCache:
+    def __init__(self, spec: PoolSpec, max_seq_len: int, max_seqs: int, device: torch.device) -> None:
+        self.spec, self.max_seq_len, self.max_seqs = spec, max_seq_len, max_seqs
+        shape = (spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self._free = list(range(spec.num_blocks - 1, -1, -1))  # a stack: lowest block first
+        self.seqs: dict[int, SeqState] = {}
+
+    # --- queries -------------------------------------------------------------------------------------
+    @property
+    def blocks_in_use(self) -> int:
+        return self.spec.num_blocks - len(self._free)
+
+    def state(self, seq_id: int) -> SeqState:
+        if seq_id not in self.seqs:
+            raise InputError("seq_id", seq_id, f"unknown; live sequences: {sorted(self.seqs) or 'none'}",
+                             "use an id that has been written (prefill or step) and not freed")
+        return self.seqs[seq_id]
+
+    def _blocks_for(self, start: int, q: int) -> int:
+        return (q - start) // self.spec.block_size + 1
+
+    # --- writes --------------------------------------------------------------------------------------
+    def check_writes(self, writes: list[WritePlan]) -> None:
+        """Refuse, before anything changes, a batch of writes that breaks a rule or does not fit."""
+        ids = [w.seq_id for w in writes]
+        if len(set(ids)) != len(ids):
+            raise InputError("seq_ids", ids, "each sequence may appear once in a call",
+                             "step each sequence once per call")
+        new = [w.seq_id for w in writes if w.seq_id not in self.seqs]
+        if len(self.seqs) + len(new) > self.max_seqs:
+            raise InputError("seq_ids", new, f"would make {len(self.seqs) + len(new)} live sequences; "
+                             f"runtime.max_seqs={self.max_seqs}", "free finished sequences or raise runtime.max_seqs")
+        need = 0
+        for w in writes:
+            if w.q >= self.max_seq_len or w.p < 0:
+                raise InputError("positions", (w.p, w.q), f"must lie in [0, runtime.max_seq_len={self.max_seq_len})",
+                                 "raise runtime.max_seq_len or stop drafting this sequence")
+            s = self.seqs.get(w.seq_id)
+            if s is not None and not s.start <= w.p <= s.end:
+                raise InputError("positions", w.p, f"sequence {w.seq_id} holds [{s.start}, {s.end}); a write must "
+                                 f"start in [{s.start}, {s.end}] (no holes)",
+                                 "write the missing rows first, or truncate/free the sequence")
+            start = w.p if s is None else s.start
+            need += max(0, self._blocks_for(start, w.q) - (0 if s is None else len(s.blocks)))
+        if need > len(self._free):
+            raise KVPoolExhaustedError("kv pool", f"{need} blocks needed, {len(self._free)} free",
+                                       f"the pool has {self.spec.num_blocks} blocks",
+                                       "free finished sequences, or raise runtime.main_kv_blocks / max_seqs")
+
+    def commit(self, w: WritePlan) -> torch.Tensor:
+        """Apply a checked write; returns the slots of rows p..q (int64 [q - p + 1])."""
+        s = self.seqs.setdefault(w.seq_id, SeqState(start=w.p, end=w.p))
+        n = self._blocks_for(s.start, w.q)
+        while len(s.blocks) < n:
+            s.blocks.append(self._free.pop())
+        self._release(s, n)
+        s.end = w.q + 1
+        return self.slots(w.seq_id, w.p, w.q)
+
+    def slots(self, seq_id: int, p: int, q: int) -> torch.Tensor:
+        s = self.seqs[seq_id]
+        idx = torch.arange(p - s.start, q - s.start + 1)
+        blocks = torch.tensor(s.blocks, dtype=torch.int64)[idx // self.spec.block_size]
+        return (blocks * self.spec.block_size + idx % self.spec.block_size).to(self.k.device)
+
+    def block_table(self, seq_ids: list[int]) -> torch.Tensor:
+        """int32 [B, max blocks of these sequences], rows padded with 0."""
+        width = max(len(self.seqs[i].blocks) for i in seq_ids)
+        table = torch.zeros(len(seq_ids), width, dtype=torch.int32)
+        for r, i in enumerate(seq_ids):
+            table[r, : len(self.seqs[i].blocks)] = torch.tensor(self.seqs[i].blocks, dtype=torch.int32)
+        return table.to(self.k.device)
+
+    # --- shrinking -----------------------------------------------------------------------------------
+    def truncate(self, seq_id: int, length: int) -> None:
+        """end = min(end, length) (never below start); blocks past the new end go back to the pool."""
+        s = self.state(seq_id)
+        if length < 0:
+            raise InputError("length", length, "must be >= 0", "pass the number of positions to keep")
+        s.end = max(s.start, min(s.end, length))
+        self._release(s, 0 if s.end == s.start else self._blocks_for(s.start, s.end - 1))
+
+    def free(self, seq_id: int) -> None:
+        s = self.state(seq_id)
+        self._release(s, 0)
+        del self.seqs[seq_id]
+
+    def _release(self, s: SeqState, keep: int) -> None:
+        while len(s.blocks) > keep:
+            self._free.append(s.blocks.pop())

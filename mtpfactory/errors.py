@@ -1,0 +1,49 @@
+"""The package's errors: every refusal names the field, the value, what is allowed and the fix."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class MtpfError(ValueError):
+    """Base of every error mtpfactory raises for bad input (a `ValueError`)."""
+
+    def __init__(self, field: str, value: object, allowed: str, fix: str = "") -> None:
+        self.field, self.value, self.allowed, self.fix = field, value, allowed, fix
+        msg = f"{field}={_show(value)}: {allowed}"
+        if fix:
+            msg += f". Fix: {fix}"
+        super().__init__(msg)
+
+
+class ConfigError(MtpfError):
+    """A configuration value or combination that is not allowed."""
+
+
+class UnknownNameError(ConfigError):
+    """A head, component or op name that no registry holds."""
+
+    def __init__(self, field: str, value: str, known: Iterable[str]) -> None:
+        known = sorted(known)
+        close = difflib.get_close_matches(value, known, n=1)
+        fix = f"did you mean '{close[0]}'?" if close else f"choose one of {', '.join(known)}"
+        super().__init__(field, value, f"unknown; known: {', '.join(known) or '(none)'}", fix)
+        self.known, self.suggestion = known, (close[0] if close else None)
+
+
+class WeightsError(MtpfError):
+    """A checkpoint tensor that is missing, misshapen or not finite, or an FFN form the weights lack."""
+
+
+class InputError(MtpfError):
+    """A call argument (token ids, hidden, positions, sequence ids) that the head refuses."""
+
+
+class KVPoolExhaustedError(InputError):
+    """The drafter's KV pool has no free block for a write."""
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,166 @@
+"""The Qwen-style MTP head (Qwen3-Next, Qwen3.5), DESIGN 2.1:
+
+    x = fc(cat([norm_e(embed[x_{p+1}]), norm_h(h_p)]))         # embedding first
+    r = x; x = r + attn(input_layernorm(x)); r = x
+    out = norm(r + ffn(post_attention_layernorm(x)))         # the chained hidden
+    logits = lm_head(out)
+
+Two tiers (STYLE): `QwenMTPHead` takes its parts already built; the head builders `dense` and `bf16_moe`
+check the config, pick the components by registry name and fill in the dimensions.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from mtpfactory import kernels as K
+from mtpfactory import registry
+from mtpfactory.build import BuildContext, runtime_dtype
+from mtpfactory.components.cache import PagedKVCache, PoolSpec, drafter_pool_blocks
+from mtpfactory.components.linear import Linear
+from mtpfactory.components.lm_head import LMHead
+from mtpfactory.errors import ConfigError, WeightsError
+from mtpfactory.heads.base import DraftHead, PrefillScratch
+from mtpfactory.heads.spec import HeadBuilder
+
+log = logging.getLogger(__name__)
+
+MTP, LAYER = "mtp.", "mtp.layers.0."
+KV_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+FFN_FIELDS = {
+    "dense": ("intermediate_size",),
+    "moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+            "norm_topk_prob"),
+}
+
+
+class QwenMTPHead(DraftHead):
+    def __init__(self, *, embed: torch.Tensor, norm_embedding: nn.Module, norm_hidden: nn.Module, fc: Linear,
+                 input_layernorm: nn.Module, attention: nn.Module, post_attention_layernorm: nn.Module,
+                 ffn: nn.Module, norm: nn.Module, lm_head: LMHead, **common) -> None:
+        super().__init__(**common)
+        self.embed = nn.Parameter(embed, requires_grad=False)  # [vocab, H]
+        self.norm_embedding, self.norm_hidden, self.fc = norm_embedding, norm_hidden, fc
+        self.input_layernorm, self.attention = input_layernorm, attention
+        self.post_attention_layernorm, self.ffn, self.norm, self.lm_head = post_attention_layernorm, ffn, norm, lm_head
+
+    def _fc_in(self, tokens: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        e = self.norm_embedding(K.embedding(tokens, self.embed))  # [N, H]
+        return self.fc(torch.cat([e, self.norm_hidden(hidden)], dim=-1, out=out))  # [N, 2H] -> [N, H]
+
+    def _write_rows(self, tokens, hidden, positions, slots) -> None:
+        x = self._fc_in(tokens, hidden, out=self.prefill_scratch.concat[: tokens.shape[0]])
+        self.attention.write_kv(self.input_layernorm(x), positions, slots)
+
+    def _forward(self, tokens, hidden, positions, slots, block_tables, context_lens):
+        r = self._fc_in(tokens, hidden)
+        a = self.attention(self.input_layernorm(r), positions, slots, block_tables, context_lens)
+        x, r = self.post_attention_layernorm(a, residual=r)
+        out, _ = self.norm(self.ffn(x), residual=r)
+        return self.lm_head(out), out
+
+
+def kv_dtype(cfg: DictConfig) -> torch.dtype:
+    """The KV cache dtype: `kv=auto` is the runtime dtype for the Qwen-style heads."""
+    if cfg.kv.dtype == "auto":
+        return runtime_dtype(cfg)
+    if cfg.kv.dtype not in KV_DTYPES:
+        raise ConfigError("kv", cfg.kv.dtype, f"allowed: auto, {', '.join(KV_DTYPES)}", "choose kv=auto")
+    return KV_DTYPES[cfg.kv.dtype]
+
+
+def pool_spec(cfg: DictConfig) -> PoolSpec:
+    r, m = cfg.runtime, cfg.model
+    blocks = drafter_pool_blocks(r.max_seq_len, r.block_size, r.max_seqs, r.main_kv_blocks)
+    return PoolSpec(blocks, r.block_size, m.num_key_value_heads, m.head_dim, kv_dtype(cfg))
+
+
+def check_config(cfg: DictConfig, form: str) -> None:
+    """The rules that span fields (DESIGN 2.2, 5, 7) for a Qwen-style head with FFN `form`."""
+    m, r, name = cfg.model, cfg.runtime, cfg.head.name
+    if m.family != "qwen3_next":
+        raise ConfigError("model.family", m.family, f"head {name} builds Qwen-style MTP heads (qwen3_next)",
+                          "choose a qwen3_next model preset, e.g. model=qwen3_next_tiny")
+    if cfg.quant.mode != "bf16":
+        raise ConfigError("quant", cfg.quant.mode, f"head {name} allows quant=bf16", "use quant=bf16")
+    lacking = [f for f in FFN_FIELDS[form] if m.get(f) is None]
+    if lacking:
+        preset = "qwen3_next_tiny" if form == "moe" else "qwen3_5_dense_tiny"
+        raise ConfigError("model", ", ".join(lacking), f"head {name} has a {form} FFN and needs these model fields",
+                          f"set them, or choose a preset that has them (model={preset})")
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ConfigError("model.num_key_value_heads", m.num_key_value_heads,
+                          f"must divide num_attention_heads={m.num_attention_heads}", "fix the model preset")
+    rd = int(m.head_dim * m.partial_rotary_factor)
+    if rd % 2 or not 0 < rd <= m.head_dim:
+        raise ConfigError("model.partial_rotary_factor", m.partial_rotary_factor,
+                          f"head_dim * factor must be an even count in (0, head_dim={m.head_dim}]", "use 0.25")
+    positive = {"runtime.block_size": r.block_size, "runtime.max_seqs": r.max_seqs,
+                "runtime.prefill_chunk": r.prefill_chunk, "runtime.max_seq_len": r.max_seq_len}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(key, value, "must be >= 1", "use the default from conf/runtime/default.yaml")
+    if r.max_seq_len > m.max_position_embeddings:
+        raise ConfigError("runtime.max_seq_len", r.max_seq_len,
+                          f"at most model.max_position_embeddings={m.max_position_embeddings}",
+                          f"set runtime.max_seq_len<={m.max_position_embeddings}")
+    if r.main_kv_blocks < 0 or cfg.levers.mtp_vocab_size < 0:
+        raise ConfigError("runtime.main_kv_blocks / levers.mtp_vocab_size",
+                          (r.main_kv_blocks, cfg.levers.mtp_vocab_size), "must be >= 0", "use 0 (no cap / full vocab)")
+    kv_dtype(cfg)
+
+
+def check_ffn_form(ctx: BuildContext, form: str) -> None:
+    """A head has exactly one FFN form; refuse weights that carry the other (DESIGN 2.2)."""
+    w, name = ctx.weights, ctx.cfg.head.name
+    dense = w.has(LAYER + "mlp.gate_proj.weight")
+    moe = w.has(LAYER + "mlp.gate.weight")
+    fp8 = w.has(LAYER + "mlp.experts.0.gate_proj.weight_scale_inv")
+    if (form == "dense" and dense) or (form == "moe" and moe):
+        return
+    other = "bf16_moe" if form == "dense" else "dense"
+    raise WeightsError("head", name, f"head {name} (quant={ctx.cfg.quant.mode}) needs a {form} FFN, but the "
+                       f"weights carry: dense FFN {dense}, MoE router {moe}, FP8 experts {fp8}",
+                       f"use +head={other}" if (dense or moe) else "check the checkpoint's MTP tensors")
+
+
+def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
+    cfg, m = ctx.cfg, ctx.model
+    check_config(cfg, form)
+    check_ffn_form(ctx, form)
+    h, nq, hd, eps = m.hidden_size, m.num_attention_heads, m.head_dim, m.rms_norm_eps
+    norm = registry.get("norm", cfg.head.norm)
+    spec = pool_spec(cfg)
+    cache = PagedKVCache(spec, cfg.runtime.max_seq_len, cfg.runtime.max_seqs, ctx.device)
+    attention = registry.get("attention", cfg.head.attention)(
+        ctx, LAYER + "self_attn.", q_norm=norm(ctx, LAYER + "self_attn.q_norm.weight", hd, eps),
+        k_norm=norm(ctx, LAYER + "self_attn.k_norm.weight", hd, eps), cache=cache)
+    ffn = registry.get("ffn", cfg.head.ffn)(ctx, LAYER + "mlp.")
+    lm_head = registry.get("lm_head", cfg.head.lm_head)(ctx)
+    chunk = cfg.runtime.prefill_chunk
+    scratch = (PrefillScratch(chunk, torch.empty(chunk, 2 * h, dtype=ctx.dtype, device=ctx.device))
+               if cfg.levers.drafter_prefill else None)
+    experts = getattr(ffn, "num_experts", 0)
+    summary = (f"MTP head {cfg.head.name}: quant={cfg.quant.mode}, fc=[{h},{2 * h}], attn Q=[{nq * hd * 2},{h}], "
+               f"ffn={cfg.head.ffn}, {experts} experts, vocab={lm_head.draft_vocab}/{m.vocab_size} "
+               f"(LM head {lm_head.nbytes / 2**20:.1f} MB), kv={str(spec.dtype).removeprefix('torch.')}, "
+               f"pool={spec.num_blocks} blocks")
+    log.info(summary)
+    return QwenMTPHead(
+        embed=ctx.tensor("model.embed_tokens.weight", m.vocab_size, h),
+        norm_embedding=norm(ctx, MTP + "pre_fc_norm_embedding.weight", h, eps),
+        norm_hidden=norm(ctx, MTP + "pre_fc_norm_hidden.weight", h, eps),
+        fc=ctx.linear(MTP + "fc", h, 2 * h),
+        input_layernorm=norm(ctx, LAYER + "input_layernorm.weight", h, eps), attention=attention,
+        post_attention_layernorm=norm(ctx, LAYER + "post_attention_layernorm.weight", h, eps), ffn=ffn,
+        norm=norm(ctx, MTP + "norm.weight", h, eps), lm_head=lm_head,
+        cache=cache, hidden_size=h, vocab_size=m.vocab_size, dtype=ctx.dtype, device=ctx.device,
+        backend=cfg.runtime.backend, prefill_scratch=scratch, summary=summary)
+
+
+dense = HeadBuilder(ffn_form="dense", build=lambda ctx: _build(ctx, "dense"), pool_spec=pool_spec)
+bf16_moe = HeadBuilder(ffn_form="moe", build=lambda ctx: _build(ctx, "moe"), pool_spec=pool_spec)

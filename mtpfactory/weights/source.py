@@ -1,0 +1,67 @@
+"""Checked access to checkpoint-named tensors: every tensor a builder asks for must be there, with the
+expected shape and finite values, or the build refuses naming it (a tensor that silently fails to load
+collapses draft acceptance to ~0)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from mtpfactory.errors import WeightsError
+
+# Names the multimodal releases put under `model.language_model.` (DESIGN 2.1).
+_ALT_PREFIXES = (("model.", "model.language_model."),)
+
+
+class TensorSource:
+    """A mapping of checkpoint names to tensors, read through `take` (shape- and finiteness-checked)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], origin: str = "the weights") -> None:
+        self._tensors = tensors
+        self.origin = origin
+
+    def _resolve(self, name: str) -> str | None:
+        if name in self._tensors:
+            return name
+        for plain, alt in _ALT_PREFIXES:
+            if name.startswith(plain) and alt + name[len(plain):] in self._tensors:
+                return alt + name[len(plain):]
+        return None
+
+    def has(self, name: str) -> bool:
+        return self._resolve(name) is not None
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The tensor `name`, checked against `shape` and for NaN/Inf, converted to dtype and device."""
+        key = self._resolve(name)
+        if key is None:
+            near = sorted(k for k in self._tensors if k.rsplit(".", 2)[0] == name.rsplit(".", 2)[0])[:6]
+            raise WeightsError(name, None, f"missing from {self.origin}",
+                               "the checkpoint must carry it" + (f" (found beside it: {', '.join(near)})"
+                                                                   if near else ""))
+        t = self._tensors[key]
+        if tuple(t.shape) != tuple(shape):
+            raise WeightsError(f"{key}.shape", tuple(t.shape), f"expected {tuple(shape)}",
+                               "check that the model preset matches the checkpoint's config.json")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise WeightsError(key, f"{int((~torch.isfinite(t)).sum())} NaN/Inf values",
+                               "weights must be finite", "the checkpoint is damaged: re-download or re-export it")
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    def take_experts(self, prefix: str, num_experts: int, inter: int, hidden: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert weights as (gate_up [E, 2I, H] with gate rows first, down [E, H, I]) from either layout:
+        fused `{prefix}gate_up_proj` / `{prefix}down_proj`, or per expert `{prefix}{i}.{gate,up,down}_proj.weight`."""
+        if self.has(prefix + "gate_up_proj"):
+            gate_up = self.take(prefix + "gate_up_proj", (num_experts, 2 * inter, hidden), dtype, device)
+            down = self.take(prefix + "down_proj", (num_experts, hidden, inter), dtype, device)
+            return gate_up, down
+        gate_up = torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device)
+        down = torch.empty(num_experts, hidden, inter, dtype=dtype, device=device)
+        for i in range(num_experts):
+            p = f"{prefix}{i}."
+            gate_up[i, :inter] = self.take(p + "gate_proj.weight", (inter, hidden), dtype, device)
+            gate_up[i, inter:] = self.take(p + "up_proj.weight", (inter, hidden), dtype, device)
+            down[i] = self.take(p + "down_proj.weight", (hidden, inter), dtype, device)
+        return gate_up, down
