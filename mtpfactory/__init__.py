@@ -41,6 +41,7 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | None = Non
     from mtpfactory.weights.synthetic import qwen_mtp_weights
 
     builder = _head_builder(cfg)
+    builder.check(cfg)
     if weights is None:
         if cfg.weights.source != "synthetic":
             raise ConfigError("weights.source", cfg.weights.source, "allowed: synthetic",
@@ -58,4 +59,6 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | None = Non
 def kv_reserve_bytes(cfg: DictConfig) -> int:
     """Bytes the drafter's KV pool takes for `cfg`, computed without building the head (the same
     pool-sizing function the head uses)."""
-    return _head_builder(cfg).pool_spec(cfg).nbytes
+    builder = _head_builder(cfg)
+    builder.check(cfg)
+    return builder.pool_spec(cfg).nbytes

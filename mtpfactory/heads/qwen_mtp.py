@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from mtpfactory import kernels as K
-from mtpfactory import registry
+from mtpfactory import ops, registry
 from mtpfactory.build import BuildContext, runtime_dtype
 from mtpfactory.components.cache import PagedKVCache, PoolSpec, drafter_pool_blocks
 from mtpfactory.components.linear import Linear
@@ -112,6 +112,8 @@ def check_config(cfg: DictConfig, form: str) -> None:
         raise ConfigError("runtime.main_kv_blocks / levers.mtp_vocab_size",
                           (r.main_kv_blocks, cfg.levers.mtp_vocab_size), "must be >= 0", "use 0 (no cap / full vocab)")
     kv_dtype(cfg)
+    runtime_dtype(cfg)
+    ops.check_backend(r.backend)
 
 
 def check_ffn_form(ctx: BuildContext, form: str) -> None:
@@ -130,7 +132,6 @@ def check_ffn_form(ctx: BuildContext, form: str) -> None:
 
 def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
     cfg, m = ctx.cfg, ctx.model
-    check_config(cfg, form)
     check_ffn_form(ctx, form)
     h, nq, hd, eps = m.hidden_size, m.num_attention_heads, m.head_dim, m.rms_norm_eps
     norm = registry.get("norm", cfg.head.norm)
@@ -162,5 +163,7 @@ def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
         backend=cfg.runtime.backend, prefill_scratch=scratch, summary=summary)
 
 
-dense = HeadBuilder(ffn_form="dense", build=lambda ctx: _build(ctx, "dense"), pool_spec=pool_spec)
-bf16_moe = HeadBuilder(ffn_form="moe", build=lambda ctx: _build(ctx, "moe"), pool_spec=pool_spec)
+dense = HeadBuilder(ffn_form="dense", check=lambda cfg: check_config(cfg, "dense"),
+                    build=lambda ctx: _build(ctx, "dense"), pool_spec=pool_spec)
+bf16_moe = HeadBuilder(ffn_form="moe", check=lambda cfg: check_config(cfg, "moe"),
+                       build=lambda ctx: _build(ctx, "moe"), pool_spec=pool_spec)

@@ -13,5 +13,6 @@ from mtpfactory.components.cache import PoolSpec
 @dataclass(frozen=True)
 class HeadBuilder:
     ffn_form: str  #: "dense" or "moe": the FFN form its weights must carry (also what synthetic weights make)
-    build: Callable  #: (BuildContext) -> DraftHead
+    check: Callable[[DictConfig], None]  #: refuses a config that breaks a rule, before any weight is made or read
+    build: Callable  #: (BuildContext) -> DraftHead, on a checked config
     pool_spec: Callable[[DictConfig], PoolSpec]

@@ -1,0 +1,5 @@
+import sys
+
+from mtpfactory.cli import main
+
+sys.exit(main())

@@ -1,0 +1,107 @@
+"""`python -m mtpfactory +head=NAME [overrides]`: build the head, prefill a few synthetic sequences, draft
+k tokens for them, and print per-step time and KV blocks in use. With `-m`, one row per run and a table
+comparing the runs at the end; a refused combination is a row with its reason, and the sweep goes on."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+import mtpfactory
+from mtpfactory import registry
+from mtpfactory.config import head_from_overrides, list_heads
+from mtpfactory.errors import MtpfError, UnknownNameError
+
+log = logging.getLogger("mtpfactory")
+_rows: list[dict[str, str]] = []
+USAGE = "usage: python -m mtpfactory +head=NAME [group=option ...] [key=value ...] [-m for a sweep]"
+
+
+@hydra.main(config_path="pkg://mtpfactory.conf", config_name="config", version_base="1.3")
+def _run(cfg: DictConfig) -> None:
+    row = {"run": " ".join(HydraConfig.get().overrides.task)}
+    _rows.append(row)
+    try:
+        mtpfactory.config.resolve(cfg)
+        head = mtpfactory.build_head(cfg)
+    except MtpfError as e:
+        log.error("refused: %s", e)
+        row["result"] = f"refused: {e}"
+        return
+    row |= _demo(cfg, head)
+    print(f"prefill {row['prefill ms/row']} ms/row, step {row['step ms']} ms, KV blocks in use "
+          f"{row['KV blocks']}, drafts {row['drafts']}")
+
+
+def _demo(cfg: DictConfig, head: mtpfactory.DraftHead) -> dict[str, str]:
+    """Prefill `demo.sequences` synthetic sequences, then propose `demo.k` tokens for all of them."""
+    d, dev = cfg.demo, head.device
+    g = torch.Generator().manual_seed(cfg.weights.seed + 1)
+    n = min(d.sequences, cfg.runtime.max_seqs)
+    lens = [min(d.prompt_len + 7 * i, cfg.runtime.max_seq_len - d.k - 1) for i in range(n)]
+    rows = 0
+    t0 = _now(dev)
+    for s, t in enumerate(lens):
+        tokens = torch.randint(0, head.vocab_size, (t + 1,), generator=g)
+        hidden = torch.randn(t + 1, head.hidden_size, generator=g).to(dev, head.dtype)
+        head.prefill(s, tokens[:t], hidden[:t], torch.arange(t))
+        rows += t
+    prefill_s = _now(dev) - t0
+    ids = torch.arange(n)
+    tokens = torch.randint(0, head.vocab_size, (n,), generator=g)
+    hidden = torch.randn(n, head.hidden_size, generator=g).to(dev, head.dtype)
+    positions = torch.tensor(lens)
+    head.propose(ids, tokens, hidden, positions, d.k)  # warm-up, then rewind
+    for s, t in enumerate(lens):
+        head.truncate(s, t)
+    t0 = _now(dev)
+    drafts = head.propose(ids, tokens, hidden, positions, d.k)
+    step_s = (_now(dev) - t0) / d.k
+    return {"result": "ok", "prefill ms/row": f"{prefill_s * 1e3 / rows:.3f}", "step ms": f"{step_s * 1e3:.3f}",
+            "KV blocks": f"{head.cache.blocks_in_use}/{head.cache.spec.num_blocks}",
+            "drafts": " ".join(str(x) for x in drafts[0].tolist())}
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _table(rows: list[dict[str, str]]) -> str:
+    cols = ["run", "prefill ms/row", "step ms", "KV blocks", "drafts", "result"]
+    cells = [[r.get(c, "") for c in cols] for r in rows]
+    width = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    line = lambda xs: " | ".join(x.ljust(w) for x, w in zip(xs, width)).rstrip()  # noqa: E731
+    return "\n".join([line(cols), "-+-".join("-" * w for w in width)] + [line(x) for x in cells])
+
+
+def _check_heads(args: list[str]) -> None:
+    """Refuse a missing or unknown head before Hydra does (exit status 2, the heads, a "did you mean")."""
+    value = head_from_overrides([a for a in args if not a.startswith("-")])
+    if value is None:
+        print(f"{USAGE}\nno head chosen: add +head=NAME. Heads: {', '.join(list_heads())}", file=sys.stderr)
+        raise SystemExit(2)
+    for name in value.split(","):
+        if name not in list_heads():
+            print(f"{USAGE}\n{UnknownNameError('head', name, list_heads())}", file=sys.stderr)
+            raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not {"-h", "--help", "--hydra-help", "--info", "-i"} & set(args) and not any(a.startswith("--info") for a in args):
+        _check_heads(args)
+    registry.load_entry_points()
+    sys.argv = [sys.argv[0], *args]
+    _rows.clear()
+    _run()
+    if len(_rows) > 1:
+        print("\n" + _table(_rows))
+    return 1 if any(r.get("result", "").startswith("refused") for r in _rows) and len(_rows) == 1 else 0

@@ -1,0 +1,104 @@
+"""The component registry: lazy built-ins, did-you-mean, taken names, re-import, a user's own FFN chosen
+from Python, from the config and from the CLI (through an entry point)."""
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import mtpfactory
+from mtpfactory import registry
+from mtpfactory.components.ffn import SwiGLU, build_swiglu
+from mtpfactory.errors import ConfigError, UnknownNameError
+
+
+class HalfSwiGLU(torch.nn.Module):
+    """A user's FFN: the dense SwiGLU's output halved (so its effect on the logits is visible)."""
+
+    def __init__(self, inner: SwiGLU) -> None:
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return 0.5 * self.inner(x)
+
+
+def build_half_swiglu(ctx, prefix):
+    return HalfSwiGLU(build_swiglu(ctx, prefix))
+
+
+def test_builtins_are_listed_and_lazily_found():
+    assert {"swiglu", "bf16_moe"} <= set(registry.names("ffn"))
+    assert registry.get("ffn", "swiglu") is build_swiglu
+    assert mtpfactory.list_heads() == ["bf16_moe", "dense"]
+
+
+def test_unknown_name_says_did_you_mean():
+    with pytest.raises(UnknownNameError, match="did you mean 'swiglu'") as e:
+        registry.get("ffn", "swiglo")
+    assert e.value.field == "head.ffn" and isinstance(e.value, ValueError)
+    with pytest.raises(UnknownNameError, match="component kind"):
+        registry.get("mlp", "swiglu")
+
+
+def test_a_taken_name_is_refused_unless_override():
+    with pytest.raises(ConfigError, match="taken"):
+        registry.register("ffn", "swiglu", build_half_swiglu)
+    registry.register("ffn", "test_half_swiglu", build_half_swiglu)
+    registry.register("ffn", "test_half_swiglu", build_half_swiglu)  # the same builder again: fine
+    with pytest.raises(ConfigError, match="override=True"):
+        registry.register("ffn", "test_half_swiglu", lambda ctx, prefix: None)
+    replacement = registry.register("ffn", "test_half_swiglu", lambda ctx, prefix: None, override=True)
+    assert registry.get("ffn", "test_half_swiglu") is replacement
+    registry.register("ffn", "test_half_swiglu", build_half_swiglu, override=True)
+
+
+def test_reimporting_a_module_that_registers_does_not_break():
+    mod = importlib.import_module("mtpfactory.components.ffn")
+    importlib.reload(mod)
+    registry.register("ffn", "swiglu", mod.build_swiglu)  # same qualified name as the built-in: allowed
+    importlib.reload(importlib.import_module("mtpfactory.kernels.rms_norm"))
+
+
+def test_user_ffn_chosen_from_python_and_config_changes_the_head():
+    mtpfactory.register("ffn", "test_half_swiglu", build_half_swiglu, override=True)
+    base = ("+head=dense", "runtime.dtype=float32", "runtime.device=cpu")
+    plain = mtpfactory.build_head(mtpfactory.compose(*base))
+    mine = mtpfactory.build_head(mtpfactory.compose(*base, "head.ffn=test_half_swiglu"))
+    assert isinstance(mine.ffn, HalfSwiGLU)
+    g = torch.Generator().manual_seed(0)
+    tokens, hidden = torch.randint(0, 512, (5,), generator=g), torch.randn(5, 64, generator=g)
+    outs = []
+    for head in (plain, mine):
+        head.prefill(0, tokens[:4], hidden[:4], torch.arange(4))
+        outs.append(head.step(torch.tensor([0]), tokens[4:], hidden[4:], torch.tensor([4]))[1])
+    assert mine.ffn.calls == 1  # the prefill path writes KV only; the step ran the user's FFN
+    assert not torch.allclose(outs[0], outs[1])
+
+
+def test_user_ffn_from_the_cli_through_an_entry_point(tmp_path):
+    (tmp_path / "half_ffn.py").write_text(textwrap.dedent("""
+        import mtpfactory
+        from mtpfactory.components.ffn import build_swiglu
+
+        def build(ctx, prefix):
+            inner = build_swiglu(ctx, prefix)
+            print("half_ffn built")
+            return lambda x: 0.5 * inner(x)
+
+        mtpfactory.register("ffn", "half_ffn", build)
+    """))
+    dist = tmp_path / "half_ffn-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: half-ffn\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[mtpfactory.components]\nhalf_ffn = half_ffn\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "mtpfactory", "+head=dense", "head.ffn=half_ffn", "demo.k=2"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "half_ffn built" in run.stdout and "ffn=half_ffn" in run.stdout
