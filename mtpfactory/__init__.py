@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -33,25 +34,33 @@ def _head_builder(cfg: DictConfig):
     return registry.get("head", cfg.head.name)
 
 
-def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | None = None) -> DraftHead:
+def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.PathLike | None = None) -> DraftHead:
     """Build the head `cfg` describes. `weights`: None for what `cfg.weights` says (synthetic from
-    `weights.seed`), or a mapping of checkpoint-named tensors (DESIGN 2.1 names)."""
+    `weights.seed`, or the checkpoint at `weights.path`), a mapping of checkpoint-named tensors (DESIGN 2.1
+    names), or a checkpoint directory."""
     from mtpfactory.build import BuildContext, runtime_device, runtime_dtype
+    from mtpfactory.weights.checkpoint import SafetensorsCheckpoint
     from mtpfactory.weights.source import TensorSource
     from mtpfactory.weights.synthetic import qwen_mtp_weights
 
     builder = _head_builder(cfg)
     builder.check(cfg)
+    if weights is None and cfg.weights.source == "checkpoint":
+        weights = cfg.weights.path
     if weights is None:
         if cfg.weights.source != "synthetic":
-            raise ConfigError("weights.source", cfg.weights.source, "allowed: synthetic",
-                              "use weights=synthetic, or pass a mapping of tensors to build_head")
+            raise ConfigError("weights.source", cfg.weights.source, "allowed: synthetic, checkpoint",
+                              "use weights=synthetic, or weights=checkpoint weights.path=DIR")
         weights, origin = qwen_mtp_weights(cfg.model, builder.ffn_form, cfg.weights.seed), "synthetic weights"
+    elif isinstance(weights, (str, os.PathLike)):
+        weights = SafetensorsCheckpoint(weights)
+        origin = f"the checkpoint at {weights.path}"
     elif isinstance(weights, Mapping):
         origin = "the weights passed to build_head"
     else:
-        raise ConfigError("weights", type(weights).__name__, "a mapping of checkpoint names to tensors, or None",
-                          "pass a dict such as safetensors.torch.load_file(path)")
+        raise ConfigError("weights", type(weights).__name__,
+                          "a mapping of checkpoint names to tensors, a checkpoint directory, or None",
+                          "pass a dict of tensors or the checkpoint's directory")
     ctx = BuildContext(cfg, TensorSource(weights, origin), runtime_dtype(cfg), runtime_device(cfg))
     return builder.build(ctx)
 

@@ -81,8 +81,9 @@ class RuntimeConfig:
 
 @dataclass
 class WeightsConfig:
-    source: str = "synthetic"  #: synthetic: checkpoint-named tensors generated from `seed`
+    source: str = "synthetic"  #: synthetic (tensors generated from `seed`) or checkpoint (read from `path`)
     seed: int = 0
+    path: Optional[str] = None  #: the checkpoint directory (weights=checkpoint)
 
 
 @dataclass

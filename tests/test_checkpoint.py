@@ -1,0 +1,50 @@
+"""A safetensors checkpoint directory loads through the same checked path as a mapping."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import mtpfactory
+from mtpfactory.errors import WeightsError
+from mtpfactory.weights.synthetic import qwen_mtp_weights
+
+
+def _save_sharded(tensors, folder, shards=3):
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        part = {n: tensors[n].contiguous() for n in names[s::shards]}
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(part, folder / file)
+        weight_map |= {n: file for n in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_checkpoint_directory_equals_the_mapping(tmp_path, sharded):
+    cfg = mtpfactory.compose("+head=bf16_moe", "runtime.dtype=float32", "runtime.device=cpu")
+    tensors = qwen_mtp_weights(cfg.model, "moe", seed=3, fused_experts=True)
+    tensors["model.language_model.embed_tokens.weight"] = tensors.pop("model.embed_tokens.weight")
+    tensors["model.layers.0.mlp.gate.weight"] = torch.zeros(4)  # a trunk tensor the head never reads
+    if sharded:
+        _save_sharded(tensors, tmp_path)
+    else:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, tmp_path / "model.safetensors")
+    from_dir = mtpfactory.build_head(cfg, tmp_path)
+    from_cfg = mtpfactory.build_head(mtpfactory.compose("+head=bf16_moe", "runtime.dtype=float32", "runtime.device=cpu",
+                                                        "weights=checkpoint", f"weights.path={tmp_path}"))
+    from_map = mtpfactory.build_head(cfg, tensors)
+    g = torch.Generator().manual_seed(0)
+    tok, hid = torch.randint(0, 512, (1,), generator=g), torch.randn(1, 64, generator=g)
+    logits = [h.step(torch.tensor([0]), tok, hid, torch.tensor([0]))[0] for h in (from_dir, from_cfg, from_map)]
+    assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[2])
+
+
+def test_a_directory_without_safetensors_is_refused(tmp_path):
+    cfg = mtpfactory.compose("+head=dense")
+    with pytest.raises(WeightsError, match="no \\*.safetensors"):
+        mtpfactory.build_head(cfg, tmp_path)
+    with pytest.raises(WeightsError, match="not a directory"):
+        mtpfactory.build_head(cfg, tmp_path / "missing")
