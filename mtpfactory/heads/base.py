@@ -18,6 +18,9 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels import argmax
 
 
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 @dataclass
 class PrefillScratch:
     """Staging buffers of `prefill_chunk` rows for the batched prefill (present only with
@@ -120,7 +123,7 @@ class DraftHead(nn.Module):
 
     def _check_seq_ids(self, seq_ids) -> list[int]:
         ids = torch.as_tensor(seq_ids)
-        if ids.dim() != 1 or ids.is_floating_point() or ids.numel() == 0:
+        if ids.dim() != 1 or ids.dtype not in INT_DTYPES or ids.numel() == 0:
             raise InputError("seq_ids", seq_ids, "a non-empty 1-D integer tensor [B]", "pass torch.tensor([id, ...])")
         return [int(i) for i in ids.tolist()]
 
@@ -128,8 +131,9 @@ class DraftHead(nn.Module):
         tokens, positions = torch.as_tensor(tokens), torch.as_tensor(positions)
         n = tokens.shape[0] if tokens.dim() == 1 else -1
         for name, t in (("tokens", tokens), ("positions", positions)):
-            if t.dim() != 1 or t.is_floating_point() or t.numel() == 0 or (batch is not None and t.numel() != batch):
-                raise InputError(f"{name}.shape", tuple(t.shape), f"a non-empty 1-D integer tensor"
+            if t.dim() != 1 or t.dtype not in INT_DTYPES or t.numel() == 0 or (batch is not None and t.numel() != batch):
+                raise InputError(name, f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}",
+                                 "a non-empty 1-D integer tensor"
                                  f"{f' of {batch} rows' if batch else ''}", f"pass {name} as a LongTensor [rows]")
         if positions.numel() != n:
             raise InputError("positions.shape", tuple(positions.shape), f"one position per token ({n})",

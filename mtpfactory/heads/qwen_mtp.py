@@ -90,7 +90,8 @@ def check_config(cfg: DictConfig, form: str) -> None:
     lacking = [f for f in FFN_FIELDS[form] if m.get(f) is None]
     if lacking:
         preset = "qwen3_next_tiny" if form == "moe" else "qwen3_5_dense_tiny"
-        raise ConfigError("model", ", ".join(lacking), f"head {name} has a {form} FFN and needs these model fields",
+        raise ConfigError(f"model.{lacking[0]}", None,
+                          f"head {name} has a {form} FFN and needs model fields {', '.join(lacking)}",
                           f"set them, or choose a preset that has them (model={preset})")
     if m.num_attention_heads % m.num_key_value_heads:
         raise ConfigError("model.num_key_value_heads", m.num_key_value_heads,

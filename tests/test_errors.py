@@ -1,0 +1,342 @@
+"""Bad input gets a clear error, and a refused call changes nothing.
+
+Every refusal is an `mtpfactory.MtpfError` (a `ValueError`) whose message names the field and the value
+(`field=value: what is allowed. Fix: ...`). A refused call on a head that holds a sequence leaves the
+sequence's state (start, end, blocks), the blocks in use and the K/V pool tensors exactly as they were.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mtpfactory
+from mtpfactory import ConfigError, InputError, KVPoolExhaustedError, MtpfError, UnknownNameError, WeightsError
+from mtpfactory.weights.synthetic import qwen_mtp_weights
+
+H, VOCAB, MAX_LEN = 64, 512, 64
+CPU = ("runtime.dtype=float32", "runtime.device=cpu")
+# max_seq_len 64, block 16: per_seq = 5 blocks; main_kv_blocks=5 caps the pool at 5 blocks.
+SMALL = ("+head=dense", *CPU, f"runtime.max_seq_len={MAX_LEN}", "runtime.max_seqs=3", "runtime.main_kv_blocks=5")
+HELD = 7  # the sequence every head test holds: rows 0..19 (2 blocks)
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+def rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=g), torch.randn(n, H, generator=g)
+
+
+def snapshot(head):
+    seqs = {i: (s.start, s.end, list(s.blocks)) for i, s in head.cache.seqs.items()}
+    return seqs, head.cache.blocks_in_use, head.cache.k.clone(), head.cache.v.clone()
+
+
+def assert_unchanged(head, snap) -> None:
+    seqs, in_use, k, v = snap
+    assert {i: (s.start, s.end, list(s.blocks)) for i, s in head.cache.seqs.items()} == seqs
+    assert head.cache.blocks_in_use == in_use
+    assert torch.equal(head.cache.k, k) and torch.equal(head.cache.v, v)
+
+
+def refused(exc: type[MtpfError], call, *in_message: str) -> MtpfError:
+    """Run `call`, expect `exc`, check the message names each of `in_message`; return the error."""
+    with pytest.raises(exc) as info:
+        call()
+    err = info.value
+    assert isinstance(err, MtpfError) and isinstance(err, ValueError)
+    for text in in_message:
+        assert text in str(err), f"{text!r} not in {str(err)!r}"
+    return err
+
+
+def dense_weights(**changes) -> dict[str, torch.Tensor]:
+    return qwen_mtp_weights(mtpfactory.compose("+head=dense").model, "dense", 0) | changes
+
+
+def with_value(t: torch.Tensor, value: float) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[t.numel() // 2] = value
+    return t
+
+
+# --- fixtures -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_head():
+    return mtpfactory.build_head(mtpfactory.compose(*SMALL))
+
+
+@pytest.fixture
+def head(small_head):
+    """The module's head holding only sequence HELD, rows 0..19."""
+    for seq in list(small_head.cache.seqs):
+        small_head.free(seq)
+    tokens, hidden = rows(20, 1)
+    small_head.prefill(HELD, tokens, hidden, torch.arange(20))
+    assert small_head.cache.blocks_in_use == 2 and small_head.cache.spec.num_blocks == 5
+    return small_head
+
+
+def test_errors_are_value_errors():
+    for exc in (ConfigError, UnknownNameError, WeightsError, InputError, KVPoolExhaustedError):
+        assert issubclass(exc, MtpfError) and issubclass(exc, ValueError)
+
+
+# --- config: names --------------------------------------------------------------------------------------
+def test_unknown_head():
+    err = refused(UnknownNameError, lambda: mtpfactory.compose("+head=dens"), "head='dens'",
+                  "did you mean 'dense'", "bf16_moe, dense")
+    assert err.suggestion == "dense"
+
+
+def test_unknown_head_without_a_close_name_lists_the_heads():
+    refused(UnknownNameError, lambda: mtpfactory.compose("+head=xyzzy"), "head='xyzzy'", "bf16_moe", "dense")
+
+
+@pytest.mark.parametrize("field, bad, good", [
+    ("head.ffn", "swiglo", "swiglu"),
+    ("head.attention", "gated_gq", "gated_gqa"),
+    ("head.norm", "rms_norm", "rmsnorm"),
+    ("head.lm_head", "lmhead", "lm_head"),
+])
+def test_unknown_component(field, bad, good):
+    cfg = mtpfactory.compose("+head=dense", *CPU, f"{field}={bad}")
+    refused(UnknownNameError, lambda: mtpfactory.build_head(cfg), f"{field}='{bad}'", f"did you mean '{good}'")
+
+
+# --- config: values and environment ------------------------------------------------------------------
+def test_moe_head_on_a_preset_without_moe_fields():
+    cfg = mtpfactory.compose("+head=bf16_moe", "model=qwen3_5_dense_tiny", *CPU)
+    refused(ConfigError, lambda: mtpfactory.build_head(cfg), "model.num_experts=None", "head bf16_moe",
+            "model=qwen3_next_tiny")
+
+
+def test_missing_moe_fields_are_all_named_in_the_message():
+    cfg = mtpfactory.compose("+head=bf16_moe", "model=qwen3_5_dense_tiny", *CPU)
+    err = refused(ConfigError, lambda: mtpfactory.build_head(cfg))
+    for name in ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "norm_topk_prob"):
+        assert name in str(err)
+
+
+def test_dense_head_on_a_preset_without_intermediate_size():
+    cfg = mtpfactory.compose("+head=dense", *CPU, "model.intermediate_size=null")
+    refused(ConfigError, lambda: mtpfactory.build_head(cfg), "model.intermediate_size=None", "head dense")
+
+
+@pytest.mark.parametrize("override, in_message", [
+    ("runtime.dtype=float8", "runtime.dtype='float8'"),
+    ("runtime.backend=cuda_graphs", "runtime.backend='cuda_graphs'"),
+    ("runtime.device=tpu9", "runtime.device='tpu9'"),
+    ("runtime.prefill_chunk=0", "runtime.prefill_chunk=0"),
+    ("runtime.max_seq_len=9000", "runtime.max_seq_len=9000"),
+    ("model=qwen3_next_tiny", None),  # a dense head on a preset that has intermediate_size: allowed
+])
+def test_runtime_values(override, in_message):
+    cfg = mtpfactory.compose("+head=dense", *CPU, override)
+    if in_message is None:
+        mtpfactory.build_head(cfg)
+    else:
+        refused(ConfigError, lambda: mtpfactory.build_head(cfg), in_message)
+
+
+@pytest.mark.parametrize("var, bad", [("MTPF_DRAFTER_PREFILL", "maybe"), ("MTPF_DRAFTER_PREFILL", "1.5"),
+                                      ("MTPF_DRAFTER_PREFILL", ""),
+                                      ("MTPF_MTP_VOCAB_SIZE", "many")])
+def test_malformed_environment_value_fails_in_compose(monkeypatch, var, bad):
+    monkeypatch.setenv(var, bad)
+    refused(ConfigError, lambda: mtpfactory.compose("+head=dense"), f"{var}='{bad}'",
+            f"levers.{var.removeprefix('MTPF_').lower()}")
+
+
+def test_wellformed_environment_value_and_command_line_wins(monkeypatch):
+    monkeypatch.setenv("MTPF_DRAFTER_PREFILL", "0")
+    assert mtpfactory.compose("+head=dense").levers.drafter_prefill is False
+    assert mtpfactory.compose("+head=dense", "levers.drafter_prefill=true").levers.drafter_prefill is True
+
+
+def test_weights_of_the_wrong_type():
+    cfg = mtpfactory.compose("+head=dense", *CPU)
+    refused(ConfigError, lambda: mtpfactory.build_head(cfg, [1, 2]), "weights='list'")
+
+
+# --- weights ------------------------------------------------------------------------------------------
+def test_dense_head_on_moe_weights():
+    cfg = mtpfactory.compose("+head=dense", *CPU)
+    moe = qwen_mtp_weights(mtpfactory.compose("+head=bf16_moe").model, "moe", 0)
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, moe), "head='dense'", "quant=bf16", "dense FFN False",
+            "MoE router True", "FP8 experts False", "+head=bf16_moe")
+
+
+def test_moe_head_on_dense_weights():
+    cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, dense_weights()), "head='bf16_moe'", "quant=bf16",
+            "dense FFN True", "MoE router False", "+head=dense")
+
+
+@pytest.mark.parametrize("name", ["mtp.layers.0.self_attn.k_proj.weight", "mtp.fc.weight", "mtp.norm.weight",
+                                  "lm_head.weight", "model.embed_tokens.weight", "mtp.layers.0.mlp.up_proj.weight"])
+def test_missing_tensor_is_named(name):
+    cfg = mtpfactory.compose("+head=dense", *CPU)
+    w = dense_weights()
+    del w[name]
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}=None", "missing")
+
+
+def test_missing_expert_tensor_is_named():
+    cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
+    w = qwen_mtp_weights(cfg.model, "moe", 0)
+    del w["mtp.layers.0.mlp.experts.5.down_proj.weight"]
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), "mtp.layers.0.mlp.experts.5.down_proj.weight",
+            "missing")
+
+
+@pytest.mark.parametrize("name, shape, expected", [
+    ("mtp.layers.0.self_attn.k_proj.weight", (16, 64), (32, 64)),
+    ("mtp.fc.weight", (64, 64), (64, 128)),
+    ("mtp.layers.0.self_attn.q_norm.weight", (32,), (16,)),
+    ("model.embed_tokens.weight", (500, 64), (512, 64)),
+])
+def test_misshapen_tensor_names_both_shapes(name, shape, expected):
+    cfg = mtpfactory.compose("+head=dense", *CPU)
+    w = dense_weights(**{name: torch.zeros(shape, dtype=torch.bfloat16)})
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}.shape={shape}", f"expected {expected}")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", ["mtp.fc.weight", "mtp.pre_fc_norm_hidden.weight",
+                                  "mtp.layers.0.self_attn.o_proj.weight", "mtp.layers.0.mlp.down_proj.weight",
+                                  "lm_head.weight"])
+def test_non_finite_weight_is_named(name, value):
+    cfg = mtpfactory.compose("+head=dense", *CPU)
+    w = dense_weights()
+    w[name] = with_value(w[name], value)
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}='1 NaN/Inf values'", "finite")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per_expert", "fused"])
+def test_non_finite_expert_weight_is_named(fused):
+    cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
+    w = qwen_mtp_weights(cfg.model, "moe", 0, fused_experts=fused)
+    name = "mtp.layers.0.mlp.experts." + ("gate_up_proj" if fused else "3.up_proj.weight")
+    w[name] = with_value(w[name], float("nan"))
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}=", "NaN/Inf")
+
+
+# --- calls on a head that holds a sequence: refused, and nothing changes ----------------------------------
+def _step(seq_ids, tokens=None, hidden=None, positions=None):
+    t, h = rows(len(seq_ids), 2)
+    return lambda head: head.step(torch.tensor(seq_ids), t if tokens is None else tokens,
+                                  h if hidden is None else hidden, torch.tensor(positions))
+
+
+def _prefill(seq, positions, tokens=None, hidden=None):
+    t, h = rows(len(positions), 3)
+    return lambda head: head.prefill(seq, t if tokens is None else tokens, h if hidden is None else hidden,
+                                     torch.tensor(positions))
+
+
+def _propose(seq_ids, positions, k):
+    t, h = rows(len(seq_ids), 4)
+    return lambda head: head.propose(torch.tensor(seq_ids), t, h, torch.tensor(positions), k)
+
+
+def _tokens(*ids):
+    return torch.tensor(ids)
+
+
+REFUSED_CALLS = {
+    # token ids outside the vocab
+    "token_negative": (_step([HELD], _tokens(-1), positions=[20]), InputError, ["tokens=-1", "vocab_size=512"]),
+    "token_is_vocab": (_step([HELD], _tokens(512), positions=[20]), InputError, ["tokens=512", "[0, vocab_size=512)"]),
+    "token_in_prefill": (_prefill(HELD, [20, 21, 22], tokens=_tokens(3, 600, 4)), InputError, ["tokens=600"]),
+    "token_in_propose": (lambda h: h.propose(torch.tensor([HELD]), _tokens(1 << 20), rows(1)[1],
+                                             torch.tensor([20]), 2), InputError, ["tokens=1048576"]),
+    # hidden of the wrong width, row count or dtype
+    "hidden_width": (_step([HELD], hidden=torch.zeros(1, 32), positions=[20]), InputError,
+                     ["hidden.shape=(1, 32)", "expected (1, 64)"]),
+    "hidden_rows": (_prefill(HELD, [20, 21, 22], hidden=torch.zeros(2, H)), InputError,
+                    ["hidden.shape=(2, 64)", "expected (3, 64)"]),
+    "hidden_bf16": (_step([HELD], hidden=torch.zeros(1, H, dtype=torch.bfloat16), positions=[20]), InputError,
+                    ["hidden='torch.bfloat16 on cpu'", "torch.float32"]),
+    "hidden_fp64_prefill": (_prefill(HELD, [20, 21], hidden=torch.zeros(2, H, dtype=torch.float64)), InputError,
+                            ["hidden='torch.float64 on cpu'"]),
+    # positions at or past runtime.max_seq_len, negative, with a hole, not consecutive
+    "position_at_max_len": (_step([8], positions=[MAX_LEN]), InputError,
+                            [f"positions=({MAX_LEN}, {MAX_LEN})", f"runtime.max_seq_len={MAX_LEN}"]),
+    "position_past_max_len": (_step([HELD], positions=[1000]), InputError, ["positions=(1000, 1000)"]),
+    "prefill_crossing_max_len": (_prefill(8, list(range(60, 68))), InputError,
+                                 ["positions=(60, 67)", f"runtime.max_seq_len={MAX_LEN}"]),
+    "propose_crossing_max_len": (_propose([HELD], [20], MAX_LEN - 20 + 1), InputError,
+                                 [f"positions=(20, {MAX_LEN})"]),
+    "position_negative": (_step([HELD], positions=[-1]), InputError, ["positions=-1", ">= 0"]),
+    "hole_after_end": (_step([HELD], positions=[21]), InputError, ["positions=21", "[0, 20)", "no holes"]),
+    "prefill_not_consecutive": (_prefill(HELD, [20, 21, 23]), InputError, ["positions=[20, 21, 23]", "consecutive"]),
+    # sequence ids
+    "same_id_twice_step": (_step([HELD, HELD], positions=[20, 20]), InputError, ["seq_ids=[7, 7]", "once"]),
+    "same_id_twice_propose": (_propose([HELD, HELD], [20, 21], 2), InputError, ["seq_ids=[7, 7]", "once"]),
+    "too_many_sequences": (_step([8, 9, 10], positions=[0, 0, 0]), InputError,
+                           ["seq_ids=[8, 9, 10]", "runtime.max_seqs=3"]),
+    "seq_ids_float": (lambda h: h.step(torch.tensor([7.0]), _tokens(1), rows(1)[1], torch.tensor([20])), InputError,
+                      ["seq_ids=", "integer"]),
+    "batch_mismatch": (_step([HELD], tokens=_tokens(1, 2), positions=[20]), InputError,
+                       ["tokens='(2,) int64'", "1 rows"]),
+    "truncate_unknown": (lambda h: h.truncate(99, 3), InputError, ["seq_id=99", "unknown", "[7]"]),
+    "free_unknown": (lambda h: h.free(99), InputError, ["seq_id=99", "unknown"]),
+    "truncate_negative": (lambda h: h.truncate(HELD, -1), InputError, ["length=-1"]),
+    "propose_k_zero": (_propose([HELD], [20], 0), InputError, ["k=0"]),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_CALLS))
+def test_refused_call_changes_nothing(head, name):
+    call, exc, in_message = REFUSED_CALLS[name]
+    snap = snapshot(head)
+    refused(exc, lambda: call(head), *in_message)
+    assert_unchanged(head, snap)
+    # and the head still works: the held sequence takes its next row
+    t, h = rows(1, 5)
+    head.step(torch.tensor([HELD]), t, h, torch.tensor([20]))
+    assert head.cache.state(HELD).end == 21
+
+
+NON_INTEGER_CALLS = {
+    "bool_tokens_step": (_step([HELD], _tokens(True), positions=[20]), "tokens"),
+    "bool_tokens_prefill": (_prefill(HELD, [20, 21], tokens=_tokens(True, False)), "tokens"),
+    "bool_positions_step": (_step([HELD], positions=[True]), "positions"),
+    "complex_tokens_step": (_step([HELD], torch.tensor([3 + 0j]), positions=[20]), "tokens"),
+}
+
+
+@pytest.mark.parametrize("name", list(NON_INTEGER_CALLS))
+def test_non_integer_ids_are_refused_and_change_nothing(head, name):
+    call, field = NON_INTEGER_CALLS[name]
+    snap = snapshot(head)
+    try:
+        refused(InputError, lambda: call(head), field)
+    finally:
+        assert_unchanged(head, snap)
+
+
+def test_kv_pool_exhausted(head):
+    t, h = rows(48, 6)
+    head.prefill(8, t, h, torch.arange(48))  # 3 blocks: the pool's 5 are all taken
+    assert head.cache.blocks_in_use == 5
+    snap = snapshot(head)
+    calls = [
+        _step([9], positions=[0]),  # a new sequence needs a block
+        _step([8], positions=[48]),  # 8 grows into a fourth block
+        _prefill(HELD, list(range(20, 40))),  # HELD grows into a third block
+        _propose([HELD], [20], 13),  # the chain crosses into position 32
+        _step([HELD, 9], positions=[20, 0]),  # one write fits, the other does not: neither is made
+    ]
+    for call in calls:
+        err = refused(KVPoolExhaustedError, lambda: call(head), "kv pool=", "0 free", "5 blocks")
+        assert isinstance(err, InputError)
+        assert_unchanged(head, snap)
+    # writes inside the blocks a sequence holds still go through, and a freed block is used again
+    _step([HELD, 8], positions=[20, 47])(head)
+    head.truncate(8, 32)
+    assert head.cache.blocks_in_use == 4
+    _step([9], positions=[0])(head)
+    assert head.cache.blocks_in_use == 5
