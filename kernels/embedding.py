@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from mtpfactory.ops import Op
+from mtpfactory.ops import Op, triton_can_run
 
 
 def _embedding_native(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -13,3 +15,45 @@ def _embedding_native(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 embedding = Op("embedding", _embedding_native)
+
+
+# --- Triton ---------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _embedding_kernel(ids_ptr, table_ptr, out_ptr, H, stride_v, BLOCK_H: tl.constexpr):
+    """Program (token n, block of H): copies bits (the launcher views both tables as same-width ints), so the
+    copy is exact for every dtype and no value passes through the interpreter's bf16 / fp8 handling."""
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    row = tl.load(ids_ptr + n).to(tl.int64)
+    tl.store(out_ptr + n * H + cols, tl.load(table_ptr + row * stride_v + cols, mask=mask), mask=mask)
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _embedding_supports(ids, table, out=None) -> bool:
+    tensors = [t for t in (ids, table, out) if t is not None]
+    return (triton_can_run(*tensors) and ids.dim() == 1 and ids.dtype in (torch.int32, torch.int64)
+            and table.dim() == 2 and table.stride(-1) == 1 and table.element_size() in _INT_OF_SIZE)
+
+
+def embedding_triton(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference's contract, with ids in [0, V) (not checked on the device: an id out of range reads
+    out of bounds where index_select would raise). `out` (optional): contiguous [N, H] in table's dtype."""
+    N, H = ids.shape[0], table.shape[1]
+    y = torch.empty(N, H, dtype=table.dtype, device=table.device) if out is None else out
+    if y.shape != (N, H) or y.dtype != table.dtype or not y.is_contiguous():
+        raise ValueError(f"out: got {tuple(y.shape)} {y.dtype}, need a contiguous ({N}, {H}) {table.dtype} "
+                         "tensor")
+    if N == 0 or H == 0:
+        return y
+    bits = _INT_OF_SIZE[table.element_size()]
+    block = min(triton.next_power_of_2(H), 4096 // table.element_size())  # 4 KiB of a row per program
+    _embedding_kernel[(N, triton.cdiv(H, block))](ids, table.view(bits), y.view(bits), H, table.stride(0),
+                                                  BLOCK_H=block, num_warps=4)
+    return y
+
+
+embedding.register_provider("triton", embedding_triton, _embedding_supports)

@@ -3,7 +3,9 @@
 `runtime.backend` picks the providers (DESIGN 4):
 - `native`: the reference only;
 - `auto`: the first fast provider whose predicate accepts the call (device, dtype, shape), else the
-  reference, logging the fallback at debug level.
+  reference, logging the fallback at debug level;
+- `triton`: the Triton provider, and an error naming the op when it cannot serve the call (never a
+  silent fallback).
 
 A head runs its forward inside `use_backend(...)`, so components call ops plainly (`ops.rms_norm(x, w)`)
 and never thread a backend argument through.
@@ -13,16 +15,21 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.util
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+import torch
 
 from mtpfactory.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "native")
+BACKENDS = ("auto", "triton", "native")
 _FAST_PRIORITY = ("triton",)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 _backend: contextvars.ContextVar[str] = contextvars.ContextVar("mtpfactory_backend", default="auto")
 
 
@@ -52,12 +59,17 @@ class Op:
 
     def __call__(self, *args, **kwargs):
         backend = _backend.get()
-        if backend != "native":
-            for pname in _FAST_PRIORITY:
-                p = self.providers.get(pname)
-                if p is not None and p.supports(*args, **kwargs):
-                    return p.fn(*args, **kwargs)
-            log.debug("op %s: no fast provider serves this call; using native", self.name)
+        if backend == "native":
+            return self.reference(*args, **kwargs)
+        for pname in (backend,) if backend != "auto" else _FAST_PRIORITY:
+            p = self.providers.get(pname)
+            if p is not None and p.supports(*args, **kwargs):
+                return p.fn(*args, **kwargs)
+        if backend != "auto":
+            raise ConfigError("runtime.backend", backend, f"op {self.name} has no {backend} provider for this call "
+                              f"({_describe(args)}; providers: {['native', *self.providers]})",
+                              "use runtime.backend=auto to fall back to the reference per op")
+        log.debug("op %s: no fast provider serves this call (%s); using native", self.name, _describe(args))
         return self.reference(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -87,6 +99,23 @@ def use_backend(backend: str) -> Iterator[None]:
         yield
     finally:
         _backend.reset(token)
+
+
+def triton_can_run(*tensors: torch.Tensor) -> bool:
+    """Triton can launch on these tensors: all on one CUDA device; or, when `runtime.backend=triton` asks
+    for it explicitly, all on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+    imported: a testing tool, never a fast path, so `auto` does not pick it)."""
+    if not _HAS_TRITON:
+        return False
+    if all(t.is_cuda for t in tensors):
+        return len({t.device for t in tensors}) == 1
+    return (_backend.get() == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+            and all(t.device.type == "cpu" for t in tensors))
+
+
+def _describe(args: tuple) -> str:
+    return ", ".join(f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')} {a.device}" for a in args
+                     if isinstance(a, torch.Tensor))
 
 
 def _qualname(fn: Callable) -> str:

@@ -70,7 +70,7 @@ class LeversConfig:
 @dataclass
 class RuntimeConfig:
     device: str = "auto"  #: auto = cuda when available, else cpu; or any torch device string
-    backend: str = "auto"  #: auto (fast providers where they serve the call) or native (references only)
+    backend: str = "auto"  #: auto (fast providers where they serve a call), triton (those only), native (references)
     dtype: str = "bfloat16"  #: compute and unquantized-weight dtype: bfloat16, float16 or float32
     max_seq_len: int = 4096  #: positions >= this are refused
     block_size: int = 16  #: KV block size (tokens)

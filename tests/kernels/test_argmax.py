@@ -1,0 +1,88 @@
+"""Batched argmax's Triton provider against its reference (DESIGN 4). Exact: it only compares values (every
+dtype converts to fp32 exactly), so the index must equal torch's, ties going to the lowest index, NaN
+beating every number (the first NaN wins), as torch.argmax has it. Outputs poisoned with -1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtpfactory import ops
+from mtpfactory.kernels.argmax import argmax
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def run(logits: torch.Tensor, **kw) -> torch.Tensor:
+    out = torch.full((logits.shape[0],), -1, dtype=torch.int64, device=logits.device)
+    with ops.use_backend("triton"):
+        got = argmax(logits, out=out, **kw)
+    assert got is out
+    return got
+
+
+def planted(B: int, V: int, dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.Tensor:
+    """Random rows, then: row 1 the max at two indices (the lower one answers), far apart so that they
+    fall in different chunks when V is large; row 2 all -inf; row 3 -inf but for one finite value; row 4
+    all equal."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(B, V, device=device, generator=gen).to(dtype)
+    if B > 1 and V > 1:
+        lo, hi = V // 3, V - 1
+        x[1, lo] = x[1, hi] = 10.0
+    if B > 2:
+        x[2] = float("-inf")
+    if B > 3:
+        x[3] = float("-inf")
+        x[3, V // 2] = -1e4
+    if B > 4:
+        x[4] = 0.5
+    return x
+
+
+@pytest.mark.parametrize("V", [1, 3, 1000, 4099])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference(dtype, V):
+    """V = 4099 spans three 2048 chunks (two stages); smaller V is one chunk (one stage)."""
+    x = planted(6, V, dtype, seed=V)
+    assert torch.equal(run(x), argmax.reference(x))
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_many_chunks_ties_across_chunks(chunk):
+    """Small chunks force the second stage over many partials; maxima tied within and across chunks."""
+    x = planted(6, 1000, torch.bfloat16, seed=chunk)
+    x[0, 100] = x[0, 101] = x[0, 900] = 20.0  # within one chunk of 16 or 64, and across
+    x[5, 640] = x[5, 64] = float("inf")       # +inf ties too
+    want = argmax.reference(x)
+    assert want[0] == 100 and want[1] == 333 and want[2] == 0 and want[5] == 64
+    assert torch.equal(run(x, chunk=chunk), want)
+
+
+@pytest.mark.parametrize("chunk", [16, 2048])
+def test_nan_and_signed_zero(chunk):
+    x = torch.full((4, 100), -1.0)
+    x[0, 70], x[0, 30], x[0, 50] = float("nan"), float("nan"), float("inf")  # the first NaN: 30
+    x[1, 99] = float("nan")
+    x[2, 10], x[2, 5] = 0.0, -0.0  # -0 == +0: the lower index
+    x[3, 0] = float("nan")
+    want = argmax.reference(x)
+    assert want.tolist() == [30, 99, 5, 0]
+    assert torch.equal(run(x, chunk=chunk), want)
+
+
+def test_strided_rows_and_dispatch():
+    """Rows of a wider buffer (stride(0) > V), and the op allocating its own output."""
+    x = torch.randn(5, 4200)[:, :4099]
+    with ops.use_backend("triton"):
+        assert torch.equal(argmax(x), argmax.reference(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("V", [129_280, 151_936, 248_320])
+@pytest.mark.parametrize("B", [1, 8, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_matches_reference(dtype, B, V):
+    x = planted(max(B, 6), V, dtype, seed=B + V, device="cuda")[:B]
+    assert torch.equal(run(x), argmax.reference(x))

@@ -1,0 +1,105 @@
+"""RMSNorm's Triton provider against its reference (DESIGN 4): odd widths, every dtype, w and 1 + w, the fused
+residual add; outputs poisoned with NaN so that an unwritten element fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtpfactory import ops
+from mtpfactory.errors import ConfigError
+from mtpfactory.kernels.rms_norm import rms_norm
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (leading dims, H): H in {1, 7, 64, 130}, rows in {1, 5, 33}, and a 3-D input.
+SHAPES = [((1,), 1), ((5,), 7), ((33,), 64), ((1,), 130), ((2, 3), 130)]
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Both compute in fp32 and round once to the output dtype; the row's sum of squares is reduced in another
+    order and rsqrt may differ in its last bits, a few fp32 ulps. That moves a 16-bit result by one ulp only
+    where the fp32 value lies within a few fp32 ulps of a rounding boundary: so at most 1% of the elements
+    (and at least one allowed) may differ, each by at most one ulp (relative 2**-7 for bf16, 2**-10 for fp16).
+    fp32 keeps the reduction-order error: relative 1e-6, about 8 ulps."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert not got.isnan().any(), "an output element was left unwritten"
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        return
+    torch.testing.assert_close(got, want, rtol=torch.finfo(want.dtype).eps, atol=0)
+    assert (got != want).sum() <= max(1, want.numel() // 100)
+
+
+def poisoned(like: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(like, float("nan"))
+
+
+@pytest.mark.parametrize("zero_centred", [False, True])
+@pytest.mark.parametrize("lead,H", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_plain_matches_reference(dtype, lead, H, zero_centred):
+    gen = torch.Generator().manual_seed(H * 7 + len(lead))
+    x = (3 * torch.randn(*lead, H, generator=gen)).to(dtype)
+    w = (0.5 * torch.randn(H, generator=gen)).to(dtype)
+    out = poisoned(x)
+    with ops.use_backend("triton"):
+        y = rms_norm(x, w, 1e-6, zero_centred, out=out)
+    assert y is out
+    assert_matches(y, rms_norm.reference(x, w, 1e-6, zero_centred))
+
+
+@pytest.mark.parametrize("zero_centred", [False, True])
+@pytest.mark.parametrize("lead,H", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_residual_matches_reference(dtype, lead, H, zero_centred):
+    gen = torch.Generator().manual_seed(H * 11 + len(lead))
+    x = torch.randn(*lead, H, generator=gen).to(dtype)
+    res = (4 * torch.randn(*lead, H, generator=gen)).to(dtype)
+    w = torch.randn(H, generator=gen).to(dtype)
+    out, res_out = poisoned(x), poisoned(x)
+    with ops.use_backend("triton"):
+        y, s = rms_norm(x, w, 1e-5, zero_centred, res, out=out, residual_out=res_out)
+    want_y, want_s = rms_norm.reference(x, w, 1e-5, zero_centred, res)
+    # The sum is one add rounded to x's dtype in both: exact.
+    assert s is res_out and torch.equal(s, want_s)
+    # Normalizing the unrounded sum instead would differ in about half the elements: assert_matches allows 1%.
+    assert_matches(y, want_y)
+
+
+def test_eps_and_a_weight_of_another_dtype():
+    """eps comparable to mean(x^2) (it must enter the sum), and an fp32 weight on a bf16 input."""
+    gen = torch.Generator().manual_seed(3)
+    x = (1e-3 * torch.randn(5, 130, generator=gen)).to(torch.bfloat16)
+    w = torch.randn(130, generator=gen)
+    with ops.use_backend("triton"):
+        y = rms_norm(x, w, 1e-6, True, out=poisoned(x))
+    assert_matches(y, rms_norm.reference(x, w, 1e-6, True))
+
+
+def test_dispatch_allocates_and_refuses_what_it_cannot_serve():
+    x = torch.randn(4, 64)
+    w = torch.randn(64)
+    with ops.use_backend("triton"):
+        assert_matches(rms_norm(x, w, 1e-6, False), rms_norm.reference(x, w, 1e-6, False))
+        with pytest.raises(ConfigError, match="rms_norm"):
+            rms_norm(x.t(), w[:4], 1e-6, False)  # not contiguous
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("zero_centred", [False, True])
+@pytest.mark.parametrize("H", [2048, 5120, 7168])
+@pytest.mark.parametrize("M", [1, 32, 512])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_matches_reference(dtype, M, H, zero_centred):
+    gen = torch.Generator(device="cuda").manual_seed(M + H)
+    x = torch.randn(M, H, device="cuda", generator=gen).to(dtype)
+    res = torch.randn(M, H, device="cuda", generator=gen).to(dtype)
+    w = (0.1 * torch.randn(H, device="cuda", generator=gen)).to(dtype)
+    with ops.use_backend("triton"):
+        y = rms_norm(x, w, 1e-6, zero_centred, out=poisoned(x))
+        y2, s2 = rms_norm(x, w, 1e-6, zero_centred, res, out=poisoned(x), residual_out=poisoned(x))
+    assert_matches(y, rms_norm.reference(x, w, 1e-6, zero_centred))
+    want_y2, want_s2 = rms_norm.reference(x, w, 1e-6, zero_centred, res)
+    assert torch.equal(s2, want_s2)
+    assert_matches(y2, want_y2)
