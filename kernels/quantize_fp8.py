@@ -1,0 +1,166 @@
+"""Per-row FP8 E4M3 quantization (DESIGN 3): `weight_scale[n] = amax(|w[n]|) / 448` (1 for a zero row),
+`weight = e4m3(clamp(w / scale, +-448))`. The definition is `mtpfactory.quant.quantize_fp8`.
+
+The Triton provider is bit-identical to that reference on the device it runs on, so nothing here goes
+through a float->fp8 cast (the interpreter's rounds wrongly, and a GPU's cvt may differ from torch's at
+the edges): the e4m3 rounding is integer math on the fp32 bits (`e4m3_rne_bits`, shared with NVFP4's
+block scales), and every division is IEEE round-to-nearest (`tl.math.div_rn`), as torch's are.
+One device detail the reference carries: torch on CUDA divides a tensor by a Python float as a multiply
+by the float's fp32 reciprocal (1 ulp off true division at times) and on the CPU truly divides;
+`divides_by_reciprocal` asks torch which it does on the device and the kernels do the same.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from mtpfactory import quant
+from mtpfactory.errors import InputError
+from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --- e4m3 in integer math (also used by quantize_nvfp4) ----------------------------------------------------
+
+@triton.jit
+def e4m3_rne_bits(v):
+    """fp32 `v`, already clamped to +-448 -> float8_e4m3fn bits (int32 in [0, 255]), round to nearest even.
+
+    |v| >= 2**-6 (e4m3 normal): round the 23 fp32 mantissa bits to 3 by adding 0x7FFFF plus the kept lsb
+    (a carry moves into the exponent, as it should), then rebias the exponent (127 -> 7: minus 120 << 3).
+    |v| < 2**-6: the e4m3 value is an integer count of 2**-9 (8 of them being 2**-6, the smallest normal,
+    whose bits are also 8), so round the 24-bit significand shifted right by 141 - exponent, ties to even;
+    fp32 zeros and subnormals shift out to 0. The sign bit is kept on a zero result, as torch keeps it.
+    """
+    b = v.to(tl.int32, bitcast=True)
+    a = b & 0x7FFFFFFF
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    shift = tl.minimum(tl.maximum(141 - (a >> 23), 21), 26)       # >= 25 leaves nothing: the result is 0
+    sig = (a & 0x7FFFFF) | 0x800000                                # 24-bit significand
+    h = sig >> (shift - 1)                                         # kept bits and the round bit
+    kept = h >> 1
+    sticky = (h << (shift - 1)) != sig
+    up = ((h & 1) == 1) & (sticky | ((kept & 1) == 1))
+    sub = kept + up.to(tl.int32)
+    mag = tl.where(a >= (121 << 23), normal, sub)
+    return tl.where(b < 0, mag | 0x80, mag)
+
+
+@triton.jit
+def e4m3_value(bits):
+    """Non-negative e4m3 bits (int32 in [0, 0x7E]) -> the exact fp32 value."""
+    e = bits >> 3
+    m = bits & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e > 0, normal, m.to(tl.float32) * 0.001953125)   # subnormal: m * 2**-9
+
+
+def fp32_reciprocal(d: float) -> float:
+    """1 / d rounded to fp32, as torch computes it before multiplying (exact as a Python float)."""
+    return float(np.float32(1.0) / np.float32(d))
+
+
+@functools.cache
+def divides_by_reciprocal(device_type: str) -> bool:
+    """Whether torch computes `fp32 tensor / python float` on this device type as a multiply by the fp32
+    reciprocal (CUDA) rather than a true division (CPU). Asked once per device type, on witnesses where
+    the two differ for each divisor the quantizers use."""
+    xs = np.arange(1, 4096, dtype=np.float32)
+    verdicts = set()
+    for d in (6.0, FP8_E4M3_MAX, 6.0 * FP8_E4M3_MAX):
+        true_div, by_recip = xs / np.float32(d), xs * np.float32(fp32_reciprocal(d))
+        witness = xs[true_div != by_recip][:64]
+        got = (torch.from_numpy(witness).to(device_type) / d).cpu().numpy()
+        if np.array_equal(got, by_recip[true_div != by_recip][:64]):
+            verdicts.add(True)
+        elif np.array_equal(got, true_div[true_div != by_recip][:64]):
+            verdicts.add(False)
+        else:
+            verdicts.add(None)
+    if len(verdicts) != 1 or None in verdicts:
+        raise RuntimeError(f"torch on {device_type} divides by a scalar neither truly nor by the fp32 reciprocal "
+                           "consistently; the quantize kernels cannot match the reference there")
+    return verdicts.pop()
+
+
+# --- per-row FP8 --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, N, K,
+                         INV_448: tl.constexpr, BY_RECIPROCAL: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per BLOCK_M rows: amax over the row, then quantize it; x [N, K] contiguous."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)   # [BM]
+    row_ok = rows < N
+    cols = tl.arange(0, BLOCK_K)                                             # [BK]
+
+    amax = tl.zeros([BLOCK_M], dtype=tl.int32)        # max of |x| as fp32 bits: NaN/Inf stay visible
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + cols
+        mask = row_ok[:, None] & (c[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * K + c[None, :], mask=mask, other=0.0).to(tl.float32)  # [BM, BK]
+        amax = tl.maximum(amax, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+    amax_f = amax.to(tl.float32, bitcast=True)
+    if BY_RECIPROCAL:
+        scale = amax_f * INV_448
+    else:
+        scale = tl.math.div_rn(amax_f, 448.0)
+    scale = tl.where(scale == 0.0, 1.0, scale)        # a zero row (or amax / 448 underflowing) gets scale 1
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
+
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + cols
+        mask = row_ok[:, None] & (c[None, :] < K)
+        offs = rows[:, None] * K + c[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
+        tl.store(q_ptr + offs, e4m3_rne_bits(v).to(tl.uint8), mask=mask)
+
+
+def _quantize_fp8_supports(w: torch.Tensor, name: str = "weight", *, out=None) -> bool:
+    return (w.dtype in _DTYPES and w.dim() == 2 and w.numel() > 0
+            and triton_can_run(w, *(out if out is not None else ())))
+
+
+def quantize_fp8_triton(w: torch.Tensor, name: str = "weight", *,
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton provider of `quantize_fp8`: (weight float8_e4m3fn [N, K], weight_scale fp32 [N]).
+
+    `out`: that pair preallocated (contiguous), written in place and returned. A NaN/Inf in `w` is
+    refused as the reference refuses it (checked on the row scales after the launch: one sync).
+    """
+    n, k = w.shape
+    x = w.contiguous()
+    if out is None:
+        out = (torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device),
+               torch.empty(n, dtype=torch.float32, device=w.device))
+    q, scale = out
+    check_out("weight", q, torch.float8_e4m3fn, (n, k))
+    check_out("weight_scale", scale, torch.float32, (n,))
+    block_k = min(triton.next_power_of_2(k), 1024)
+    block_m = min(triton.next_power_of_2(n), max(1, 4096 // block_k))
+    _quantize_fp8_kernel[(triton.cdiv(n, block_m),)](
+        x, q.view(torch.uint8), scale, n, k,
+        INV_448=fp32_reciprocal(FP8_E4M3_MAX), BY_RECIPROCAL=divides_by_reciprocal(w.device.type),
+        BLOCK_M=block_m, BLOCK_K=block_k)
+    if not bool(torch.isfinite(scale).all()):
+        check_finite(w, name)
+    return q, scale
+
+
+def check_out(what: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+        raise InputError(f"out ({what})", f"{t.dtype} {tuple(t.shape)}",
+                         f"must be a contiguous {str(dtype).removeprefix('torch.')} tensor of shape {list(shape)}",
+                         "allocate it as the reference returns it, or leave out=None")
+
+
+quantize_fp8 = Op("quantize_fp8", quant.quantize_fp8)
+quantize_fp8.register_provider("triton", quantize_fp8_triton, _quantize_fp8_supports)

@@ -1,0 +1,141 @@
+"""NVFP4 quantization (DESIGN 3): `global = amax / (6 * 448)`, block scale `s = e4m3(block_amax / 6 / global)`
+(a block with s = 0 stores 1 and codes 0), codes = E2M1 of `x / (s * global)`, ties to the even code, two
+codes a byte with the even element in the low nibble. The definition is `mtpfactory.quant.quantize_nvfp4`.
+
+Two launches: `_absmax_kernel` folds |x| into one int32 by atomic max on the fp32 bits (for non-negative
+floats the integer order is the float order, and NaN/Inf land above every finite value, which is how
+they are caught); `_quantize_nvfp4_kernel` then handles a tile of consecutive 16-element blocks per
+program (blocks run row-major over [N, K], so a tile is rows x blocks of one contiguous span, and the
+block index is also the index of its scale and, times 8, of its first packed byte).
+
+Bit-identical to the reference on the device it runs on: the e4m3 block scale is rounded in integer
+math (`e4m3_rne_bits`), the E2M1 codes by exact comparisons against the midpoints, divisions are IEEE
+round-to-nearest, and division by the constants 6 and 2688 follows torch's per-device choice between
+true division and the fp32 reciprocal (see `quantize_fp8`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mtpfactory import quant
+from mtpfactory.kernels.quantize_fp8 import (
+    check_out,
+    divides_by_reciprocal,
+    e4m3_rne_bits,
+    e4m3_value,
+    fp32_reciprocal,
+)
+from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
+from mtpfactory.quant.nvfp4 import E2M1_MAX, NVFP4_BLOCK
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FINITE_LIMIT = 0x7F800000            # fp32 bits of +Inf: |x| bits at or above it are Inf or NaN
+
+
+@triton.jit
+def _absmax_kernel(x_ptr, amax_ptr, numel, ITERS, BLOCK: tl.constexpr):
+    """Program p folds elements [p * ITERS * BLOCK, (p + 1) * ITERS * BLOCK) into `*amax_ptr` (int32, zeroed)."""
+    offs = tl.program_id(0).to(tl.int64) * ITERS * BLOCK + tl.arange(0, BLOCK)   # [BLOCK]
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for _ in range(0, ITERS):
+        x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        offs += BLOCK
+    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _quantize_nvfp4_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, global_ptr, n_blocks,
+                           INV_6: tl.constexpr, INV_2688: tl.constexpr, BY_RECIPROCAL: tl.constexpr,
+                           BLOCKS: tl.constexpr):
+    """One program per BLOCKS consecutive 16-element blocks of x (contiguous [N, K], flattened)."""
+    pid = tl.program_id(0)
+    amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
+    if BY_RECIPROCAL:
+        g = amax * INV_2688
+    else:
+        g = tl.math.div_rn(amax, 2688.0)
+    g = tl.where(g == 0.0, 1.0, g)                    # a zero tensor (or amax / 2688 underflowing) gets 1
+    tl.store(global_ptr, g, mask=pid == 0)
+
+    blk = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)                     # [B]
+    blk_ok = blk < n_blocks
+    x = tl.load(x_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :],
+                mask=blk_ok[:, None], other=0.0).to(tl.float32)               # [B, 16]
+
+    block_amax = tl.max(tl.abs(x), axis=1)                                     # [B]
+    if BY_RECIPROCAL:
+        s = block_amax * INV_6
+    else:
+        s = tl.math.div_rn(block_amax, 6.0)
+    s_bits = e4m3_rne_bits(tl.minimum(tl.math.div_rn(s, g), 448.0))           # [B], in [0, 0x7E]
+    zero_block = s_bits == 0
+    s_bits = tl.where(zero_block, 0x38, s_bits)                               # stored scale 1.0
+    unit = e4m3_value(s_bits) * g                                              # [B]
+
+    q = tl.math.div_rn(x, unit[:, None])                                       # [B, 16]
+    mag = tl.abs(q)
+    # Count the midpoints below |q|; a tie counts (moves up) only where the code above it is even.
+    code = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
+            + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
+            + (mag > 5.0).to(tl.int32))
+    code = tl.where((q < 0.0) & (code > 0), code + 8, code)
+    code = tl.where(zero_block[:, None], 0, code)
+
+    even, odd = tl.split(tl.reshape(code, (BLOCKS, 8, 2)))                     # [B, 8] each
+    packed = (even | (odd << 4)).to(tl.uint8)
+    tl.store(q_ptr + blk[:, None] * 8 + tl.arange(0, 8)[None, :], packed, mask=blk_ok[:, None])
+    tl.store(scale_ptr + blk, s_bits.to(tl.uint8), mask=blk_ok)
+
+
+def global_absmax_bits(x: torch.Tensor, *, block: int = 4096, max_programs: int = 1024) -> torch.Tensor:
+    """int32 0-dim tensor: the fp32 bits of max |x| over contiguous `x` (above 0x7F800000: a NaN or Inf)."""
+    acc = torch.zeros((), dtype=torch.int32, device=x.device)
+    numel = x.numel()
+    iters = triton.cdiv(triton.cdiv(numel, block), max_programs)
+    _absmax_kernel[(triton.cdiv(numel, iters * block),)](x, acc, numel, iters, BLOCK=block)
+    return acc
+
+
+def _quantize_nvfp4_supports(w: torch.Tensor, name: str = "weight", *, out=None) -> bool:
+    return (w.dtype in _DTYPES and w.dim() == 2 and w.numel() > 0 and w.shape[1] % NVFP4_BLOCK == 0
+            and triton_can_run(w, *(out if out is not None else ())))
+
+
+def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
+                          out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton provider of `quantize_nvfp4`: (weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16],
+    weight_scale_2 fp32 0-dim).
+
+    `out`: that triple preallocated (contiguous), written in place and returned. A NaN/Inf in `w` is
+    refused as the reference refuses it (read off the absmax after the launches: one sync).
+    """
+    n, k = w.shape
+    x = w.contiguous()
+    if out is None:
+        out = (torch.empty(n, k // 2, dtype=torch.uint8, device=w.device),
+               torch.empty(n, k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=w.device),
+               torch.empty((), dtype=torch.float32, device=w.device))
+    q, scale, global_scale = out
+    check_out("weight", q, torch.uint8, (n, k // 2))
+    check_out("weight_scale", scale, torch.float8_e4m3fn, (n, k // NVFP4_BLOCK))
+    check_out("weight_scale_2", global_scale, torch.float32, ())
+
+    amax = global_absmax_bits(x)
+    n_blocks, blocks = n * (k // NVFP4_BLOCK), 128
+    _quantize_nvfp4_kernel[(triton.cdiv(n_blocks, blocks),)](
+        x, amax, q, scale.view(torch.uint8), global_scale, n_blocks,
+        INV_6=fp32_reciprocal(E2M1_MAX), INV_2688=fp32_reciprocal(E2M1_MAX * FP8_E4M3_MAX),
+        BY_RECIPROCAL=divides_by_reciprocal(w.device.type), BLOCKS=blocks)
+    if int(amax) >= _FINITE_LIMIT:
+        check_finite(w, name)
+    return q, scale, global_scale
+
+
+quantize_nvfp4 = Op("quantize_nvfp4", quant.quantize_nvfp4)
+quantize_nvfp4.register_provider("triton", quantize_nvfp4_triton, _quantize_nvfp4_supports)
