@@ -1,20 +1,38 @@
 """Paged decode attention: one query row per sequence over its cached K/V, GQA, with the output gate
-(`out * sigmoid(gate)`) fused."""
+(`out * sigmoid(gate)`) fused. The cache may be BF16/FP16/FP32 or FP8 E4M3 with optional fp32 scales
+per token and KV head (DESIGN 3: K = k_cache * k_scale[..., None], same for V; no scales = unit scales).
+
+Triton provider: one program per (sequence, KV head, context split) holds the whole GQA group of q heads,
+so each K/V tile is read once per group. It walks its share of the context in tiles of BLOCK_N tokens,
+looking up each token's block in the block table (so any block_size works, and a tile may span blocks),
+and keeps an online softmax in fp32. With one split it normalizes, gates and stores directly; with
+several (flash-decoding, for long contexts and few sequences) each split stores its unnormalized
+(acc, max, sum) and a second kernel combines them.
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from mtpfactory.ops import Op
+from mtpfactory.ops import Op, triton_can_run
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
+_LOG2E = 1.4426950408889634
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                   gate: torch.Tensor | None = None) -> torch.Tensor:
-    """q, gate: [B, q_heads, D]; k_cache, v_cache: [blocks, block_size, kv_heads, D];
+                                   gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q, gate: [B, q_heads, D]; k_cache, v_cache: [blocks, block_size, kv_heads, D] (float or FP8 E4M3);
+    k_scale, v_scale: fp32 [blocks, block_size, kv_heads] or None (unit scales);
     block_tables: [B, max_blocks] int (a row's slots in order); context_lens: [B] int (slots to attend).
 
-    Softmax in fp32; returns [B, q_heads, D] in q's dtype."""
+    Softmax in fp32; returns [B, q_heads, D] in q's dtype (a row with no context gives zeros)."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -23,6 +41,10 @@ def _paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         blocks = block_tables[i, : (n + bs - 1) // bs].long()
         k = k_cache[blocks].reshape(-1, hkv, d)[:n].float()  # [n, kv_heads, D]
         v = v_cache[blocks].reshape(-1, hkv, d)[:n].float()
+        if k_scale is not None:
+            k = k * k_scale[blocks].reshape(-1, hkv)[:n, :, None]
+        if v_scale is not None:
+            v = v * v_scale[blocks].reshape(-1, hkv)[:n, :, None]
         k = k.repeat_interleave(hq // hkv, dim=1)  # [n, q_heads, D]
         v = v.repeat_interleave(hq // hkv, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale  # [q_heads, n]
@@ -32,4 +54,203 @@ def _paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     return out
 
 
+# --- Triton -------------------------------------------------------------------------------------------
+
+@triton.jit
+def _store_out(acc, l_i, out_ptr, gate_ptr, pid_b, q_heads, d, row_mask, d_mask,
+               s_ob, s_oh, s_od, s_gb, s_gh, s_gd, HAS_GATE: tl.constexpr):
+    """out[b, q_heads, :] = acc / l (0 where l == 0), times sigmoid(gate); in out's dtype."""
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [G_PAD, D_PAD]
+    mask = row_mask[:, None] & d_mask[None, :]
+    if HAS_GATE:
+        g = tl.load(gate_ptr + pid_b * s_gb + q_heads[:, None] * s_gh + d[None, :] * s_gd, mask=mask,
+                    other=0.0).to(tl.float32)
+        o = o * tl.sigmoid(g)
+    tl.store(out_ptr + pid_b * s_ob + q_heads[:, None] * s_oh + d[None, :] * s_od,
+             o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gate_ptr, bt_ptr, cl_ptr, out_ptr,
+        pacc_ptr, pm_ptr, pl_ptr,  # split partials: [B, kv_heads, S, G_PAD, D_PAD], [B, kv_heads, S, G_PAD] x2
+        scale_log2e, block_size, split_len,
+        s_qb, s_qh, s_qd, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
+        s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_gb, s_gh, s_gd, s_ob, s_oh, s_od, s_btb,
+        GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_K_SCALE: tl.constexpr,
+        HAS_V_SCALE: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)  # KV head
+    pid_s = tl.program_id(2)  # context split
+    n = tl.load(cl_ptr + pid_b)
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, n)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q_heads = pid_h * GROUP + g  # q head j reads KV head j // GROUP
+    q = tl.load(q_ptr + pid_b * s_qb + q_heads[:, None] * s_qh + d[None, :] * s_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)  # [G_PAD, D_PAD]
+
+    # A finite "minus infinity": exp2(m_i - m_new) stays 1, never NaN, while a split sees no token.
+    m_i = tl.full([G_PAD], -1.0e30, tl.float32)  # running max of the log2-scaled scores
+    l_i = tl.zeros([G_PAD], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)  # token positions in the sequence
+        t_mask = t < end
+        blk = tl.load(bt_ptr + pid_b * s_btb + t // block_size, mask=t_mask, other=0).to(tl.int64)
+        off = t % block_size
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + (blk * s_kb + off * s_kt + pid_h * s_kh)[:, None] + d[None, :] * s_kd,
+                    mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, D_PAD]
+        # The scale is factored out of the dot: q and K stay exact in the dot's dtype when they come
+        # from 16-bit or FP8 values, so the products are exact and only the fp32 accumulation rounds.
+        col = tl.full([BLOCK_N], 1.0, tl.float32) * scale_log2e
+        if HAS_K_SCALE:
+            col = col * tl.load(ks_ptr + blk * s_ksb + off * s_kst + pid_h * s_ksh, mask=t_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * col[None, :]  # [G_PAD, BLOCK_N]
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # masked tokens: 0
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (blk * s_vb + off * s_vt + pid_h * s_vh)[:, None] + d[None, :] * s_vd,
+                    mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, D_PAD]
+        if HAS_V_SCALE:
+            p = p * tl.load(vs_ptr + blk * s_vsb + off * s_vst + pid_h * s_vsh, mask=t_mask, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        _store_out(acc, l_i, out_ptr, gate_ptr, pid_b, q_heads, d, g_mask, d_mask,
+                   s_ob, s_oh, s_od, s_gb, s_gh, s_gd, HAS_GATE)
+    else:
+        row = (pid_b * tl.num_programs(1) + pid_h) * NUM_SPLITS + pid_s  # partial row, padded lanes kept
+        tl.store(pacc_ptr + row * G_PAD * D_PAD + g[:, None] * D_PAD + d[None, :], acc)
+        tl.store(pm_ptr + row * G_PAD + g, m_i)
+        tl.store(pl_ptr + row * G_PAD + g, l_i)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+        pacc_ptr, pm_ptr, pl_ptr, gate_ptr, out_ptr,
+        s_gb, s_gh, s_gd, s_ob, s_oh, s_od,
+        GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, HAS_GATE: tl.constexpr):
+    """Combine the splits' (acc, max, sum) of one (sequence, KV head) and store the gated output."""
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    m_i = tl.full([G_PAD], -1.0e30, tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    row0 = (pid_b * tl.num_programs(1) + pid_h) * NUM_SPLITS
+    for s in range(NUM_SPLITS):
+        m_s = tl.load(pm_ptr + (row0 + s) * G_PAD + g)
+        l_s = tl.load(pl_ptr + (row0 + s) * G_PAD + g)
+        a_s = tl.load(pacc_ptr + (row0 + s) * G_PAD * D_PAD + g[:, None] * D_PAD + d[None, :])
+        m_new = tl.maximum(m_i, m_s)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(m_s - m_new)  # an empty split has l_s = 0 and acc 0: it adds nothing
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_i = m_new
+    _store_out(acc, l_i, out_ptr, gate_ptr, pid_b, pid_h * GROUP + g, d, g < GROUP, d < HEAD_DIM,
+               s_ob, s_oh, s_od, s_gb, s_gh, s_gd, HAS_GATE)
+
+
+def _default_splits(q: torch.Tensor, programs: int, max_tokens: int, block_n: int) -> int:
+    """Enough splits to give every SM about two programs, each split at least 256 tokens long."""
+    if not q.is_cuda:
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    want = -(-2 * sms // programs)
+    return max(1, min(want, max_tokens // max(256, block_n), 64))
+
+
+def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                                  v_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                                  num_splits: int | None = None, block_n: int = 16,
+                                  num_warps: int = 4, fast_dot: bool = False) -> torch.Tensor:
+    """The Triton provider; same arguments as the reference, plus `out` (written in place and returned),
+    `num_splits` (context splits per sequence; None picks from the GPU's size, 1 on the CPU),
+    `block_n` (tokens per tile, a power of two >= 16) and `num_warps`. Never synchronizes with the host.
+
+    The dots take fp32 operands (tf32 on the GPU: exact products for 16-bit and FP8 inputs, p rounded to
+    10 mantissa bits), "ieee" when q or the cache is fp32. `fast_dot` (GPU, 16-bit q) runs them in q's
+    dtype instead, the flash-attention way: p rounded to bf16/fp16, less register and shared memory."""
+    b, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    g_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
+    d_pad = max(16, triton.next_power_of_2(d))
+    if out is None:
+        out = torch.empty_like(q)
+    if b == 0:
+        return out
+    max_tokens = max(1, block_tables.shape[1] * bs)
+    splits = num_splits or _default_splits(q, b * hkv, max_tokens, block_n)
+    split_len = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
+    splits = triton.cdiv(max_tokens, split_len)  # no split left empty for every row
+    exact = torch.float32 in (q.dtype, k_cache.dtype)
+    fast_dot = bool(fast_dot) and q.is_cuda and not exact and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+    dot_dtype = _TL_DTYPES[q.dtype] if fast_dot else tl.float32
+    if splits > 1:
+        pacc = torch.empty(b, hkv, splits, g_pad, d_pad, dtype=torch.float32, device=q.device)
+        pm = torch.empty(b, hkv, splits, g_pad, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+    else:
+        pacc = pm = pl = out  # unused
+    ks = k_scale if k_scale is not None else k_cache  # a placeholder pointer when absent
+    vs = v_scale if v_scale is not None else v_cache
+    gt = gate if gate is not None else q
+    ks_st = k_scale.stride() if k_scale is not None else (0, 0, 0)
+    vs_st = v_scale.stride() if v_scale is not None else (0, 0, 0)
+    consts = dict(GROUP=group, G_PAD=g_pad, HEAD_DIM=d, D_PAD=d_pad, HAS_GATE=gate is not None)
+    _paged_decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, ks, vs, gt, block_tables, context_lens, out, pacc, pm, pl,
+        scale * _LOG2E, bs, split_len,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *ks_st, *vs_st, *gt.stride(), *out.stride(),
+        block_tables.stride(0),
+        BLOCK_N=block_n, NUM_SPLITS=splits, HAS_K_SCALE=k_scale is not None,
+        HAS_V_SCALE=v_scale is not None, DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if exact else "tf32", num_warps=num_warps,
+        **consts)
+    if splits > 1:
+        _paged_decode_reduce_kernel[(b, hkv)](pacc, pm, pl, gt, out, *gt.stride(), *out.stride(),
+                                              NUM_SPLITS=splits, num_warps=4, **consts)
+    return out
+
+
+def _triton_supports(q, k_cache, v_cache, block_tables, context_lens, scale, gate=None, k_scale=None,
+                     v_scale=None, **_) -> bool:
+    tensors = [t for t in (q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale)
+               if t is not None]
+    if not triton_can_run(*tensors):
+        return False
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
+        return False
+    if q.dtype not in _FLOATS or k_cache.dtype not in _KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        return False
+    if q.shape[1] % k_cache.shape[2] != 0 or q.shape[2] > 512:
+        return False
+    if gate is not None and (gate.shape != q.shape or gate.dtype not in _FLOATS):
+        return False
+    for s in (k_scale, v_scale):
+        if s is not None and (s.dtype != torch.float32 or s.shape != k_cache.shape[:3]):
+            return False
+    return not block_tables.dtype.is_floating_point and not context_lens.dtype.is_floating_point
+
+
 paged_decode_attention = Op("paged_decode_attention", _paged_decode_attention_native)
+paged_decode_attention.register_provider("triton", paged_decode_attention_triton, _triton_supports)
+
+__all__ = ["paged_decode_attention", "paged_decode_attention_triton"]

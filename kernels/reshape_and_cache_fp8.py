@@ -1,0 +1,138 @@
+"""Write rows of K and V into FP8 E4M3 paged caches at their slots (slot = block * block_size + offset).
+
+DESIGN 3, FP8 KV: with no scale caches the values are clamped to +-448 and cast (unit scales); with fp32
+per-token scale caches [blocks, block_size, kv_heads] (`levers.kv_exact`) each (token, KV head) row
+stores scale = amax(|row|) / 448 (1 for an all-zero row) and the values row / scale, clamped and cast.
+
+The Triton provider rounds fp32 to E4M3 in integer math (round to nearest, ties to even) and stores the
+codes as bytes: exact on the GPU and under the interpreter alike, whose own fp32->fp8 cast rounds wrongly
+(DESIGN 4).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.quant.fp8 import FP8_E4M3_MAX, to_e4m3
+
+_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # 448, readable inside @triton.jit
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _reshape_and_cache_fp8_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                                  v_cache: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor | None = None,
+                                  v_scale: torch.Tensor | None = None) -> None:
+    """k, v: [N, kv_heads, D] (any float dtype); k_cache, v_cache: float8_e4m3fn [blocks, block_size,
+    kv_heads, D]; slots: [N] int; k_scale, v_scale: fp32 [blocks, block_size, kv_heads] or None. In place."""
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        nb, bs = cache.shape[:2]
+        y = x.float()  # [N, kv_heads, D]
+        if scale is not None:
+            amax = y.abs().amax(dim=-1)  # [N, kv_heads]
+            # Divide by a tensor: CUDA turns division by a Python scalar into a multiply by its
+            # reciprocal, which rounds differently from the division the CPU (and the kernel) does.
+            s = amax / torch.full_like(amax, FP8_E4M3_MAX)
+            s = torch.where(s == 0, torch.ones_like(s), s)
+            y = y / s[..., None]
+            scale.view(nb * bs, scale.shape[2])[slots] = s
+        cache.view(nb * bs, *cache.shape[2:])[slots] = to_e4m3(y)  # clamped to +-448, then cast
+
+
+# --- Triton -------------------------------------------------------------------------------------------
+
+@triton.jit
+def _e4m3_code(y):
+    """fp32 in [-448, 448] -> its E4M3 (fn) byte, round to nearest, ties to even, in integer math."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF  # |y|
+    # Normal E4M3 (|y| >= 2^-6): keep 3 of fp32's 23 mantissa bits, round half to even, and rebias the
+    # exponent from 127 to 7; a carry out of the mantissa lands in the exponent, as it should.
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal E4M3 (|y| < 2^-6, steps of 2^-9): |y| * 2^9 is exact, and adding 2^23 rounds it to an
+    # integer (half to even) in the low mantissa bits; 8 (= 2^-6) is the smallest normal code.
+    magic = a.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
+    sub = magic.to(tl.int32, bitcast=True) - 0x4B000000
+    return (tl.where(a < 0x3C800000, sub, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_store(x_ptr, c_ptr, s_ptr, row, blk, off, s_xn, s_xh, s_xd, s_cb, s_ct, s_ch, s_cd,
+                    s_sb, s_st, s_sh, KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    D_PAD: tl.constexpr, HAS_SCALE: tl.constexpr):
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    h_mask = h < KV_HEADS
+    mask = h_mask[:, None] & (d < HEAD_DIM)[None, :]
+    x = tl.load(x_ptr + row * s_xn + h[:, None] * s_xh + d[None, :] * s_xd, mask=mask,
+                other=0.0).to(tl.float32)  # [H_PAD, D_PAD]
+    if HAS_SCALE:
+        s = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX)  # [H_PAD], correctly rounded like torch
+        s = tl.where(s == 0.0, 1.0, s)
+        x = tl.math.div_rn(x, s[:, None])
+        tl.store(s_ptr + blk * s_sb + off * s_st + h * s_sh, s, mask=h_mask)
+    x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
+    tl.store(c_ptr + blk * s_cb + off * s_ct + h[:, None] * s_ch + d[None, :] * s_cd, _e4m3_code(x), mask=mask)
+
+
+@triton.jit
+def _reshape_and_cache_fp8_kernel(
+        k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slots_ptr, block_size,
+        s_kn, s_kh, s_kd, s_vn, s_vh, s_vd,
+        s_kcb, s_kct, s_kch, s_kcd, s_vcb, s_vct, s_vch, s_vcd,
+        s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh,
+        KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr):
+    """One program per row: all KV heads of K and of V."""
+    row = tl.program_id(0)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    blk = slot // block_size
+    off = slot % block_size
+    _quantize_store(k_ptr, kc_ptr, ks_ptr, row, blk, off, s_kn, s_kh, s_kd, s_kcb, s_kct, s_kch, s_kcd,
+                    s_ksb, s_kst, s_ksh, KV_HEADS, H_PAD, HEAD_DIM, D_PAD, HAS_K_SCALE)
+    _quantize_store(v_ptr, vc_ptr, vs_ptr, row, blk, off, s_vn, s_vh, s_vd, s_vcb, s_vct, s_vch, s_vcd,
+                    s_vsb, s_vst, s_vsh, KV_HEADS, H_PAD, HEAD_DIM, D_PAD, HAS_V_SCALE)
+
+
+def reshape_and_cache_fp8_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 slots: torch.Tensor, k_scale: torch.Tensor | None = None,
+                                 v_scale: torch.Tensor | None = None) -> None:
+    """The Triton provider; same arguments as the reference. In place."""
+    n, hkv, d = k.shape
+    if n == 0:
+        return
+    kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)  # the kernel stores E4M3 codes as bytes
+    ks = k_scale if k_scale is not None else kc  # a placeholder pointer when absent
+    vs = v_scale if v_scale is not None else vc
+    _reshape_and_cache_fp8_kernel[(n,)](
+        k, v, kc, vc, ks, vs, slots, k_cache.shape[1],
+        *k.stride(), *v.stride(), *kc.stride(), *vc.stride(),
+        *(k_scale.stride() if k_scale is not None else (0, 0, 0)),
+        *(v_scale.stride() if v_scale is not None else (0, 0, 0)),
+        KV_HEADS=hkv, H_PAD=triton.next_power_of_2(hkv), HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, num_warps=4)
+
+
+def _triton_supports(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None) -> bool:
+    tensors = [t for t in (k, v, k_cache, v_cache, slots, k_scale, v_scale) if t is not None]
+    if not triton_can_run(*tensors):
+        return False
+    if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
+        return False
+    if k.dim() != 3 or v.shape != k.shape or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        return False
+    if k.shape[1:] != k_cache.shape[2:] or k.dtype not in _FLOATS or v.dtype not in _FLOATS:
+        return False
+    for s in (k_scale, v_scale):
+        if s is not None and (s.dtype != torch.float32 or s.shape != k_cache.shape[:3]):
+            return False
+    return slots.dim() == 1 and slots.shape[0] == k.shape[0] and not slots.dtype.is_floating_point
+
+
+reshape_and_cache_fp8 = Op("reshape_and_cache_fp8", _reshape_and_cache_fp8_native)
+reshape_and_cache_fp8.register_provider("triton", reshape_and_cache_fp8_triton, _triton_supports)
+
+__all__ = ["reshape_and_cache_fp8", "reshape_and_cache_fp8_triton"]

@@ -1,0 +1,188 @@
+"""paged_decode_attention: the reference against a dense softmax attention computed independently (in
+float64, token by token from the slots), and the Triton provider against the reference over odd shapes,
+every KV dtype (BF16, FP32, FP8 with unit and per-token scales), shuffled block ids and context splits.
+
+Every cache slot that no sequence may read (the blocks outside the tables, the padding entries of the
+tables, the slots past each context in its last block) holds NaN, and the output is NaN before the
+launch: a stray read or a missed write shows up as NaN.
+
+Tolerances: an fp32 output differs from the reference only in the order of fp32 sums and exp2 vs exp:
+1e-5 (observed ~5e-7). A BF16 output is rounded once by the kernel but two or three times by the
+reference (the attention output, sigmoid(gate), their product, each to BF16, 2**-9 relative at most):
+atol = rtol = 1e-2 on values of order 1. FP8 caches dequantize exactly in fp32 on both sides, so they
+take their output dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mtpfactory import ops
+from mtpfactory.kernels.paged_attention import paged_decode_attention
+
+# The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+FP8 = torch.float8_e4m3fn
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def make_case(b: int, hq: int, hkv: int, d: int, bs: int, ctx: list[int], kv: str, q_dtype: torch.dtype,
+              seed: int = 0, device: str = "cpu", spare_cols: int = 1):
+    """Inputs of the op: q, K/V caches (kv: bf16, fp32, fp8, fp8_scaled), block tables with shuffled block
+    ids and `spare_cols` padding entries (block 0, poisoned), context lens, scale, gate, k/v scales."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    nblk = [math.ceil(n / bs) for n in ctx]
+    nb = sum(nblk) + 3  # block 0 and two spares are never in a table's used part
+    width = max(nblk) + spare_cols
+    ids = torch.randperm(nb - 1, generator=gen, device=device)[: sum(nblk)] + 1
+    tables = torch.zeros(b, width, dtype=torch.int32, device=device)
+    readable = torch.zeros(nb, bs, dtype=torch.bool, device=device)
+    used = 0
+    for i, n in enumerate(ctx):
+        row = ids[used: used + nblk[i]]
+        used += nblk[i]
+        tables[i, : nblk[i]] = row.int()
+        readable.view(-1)[(row[:, None] * bs + torch.arange(bs, device=device)).view(-1)[:n]] = True
+
+    shape = (nb, bs, hkv, d)
+    k = torch.randn(shape, generator=gen, device=device)
+    v = torch.randn(shape, generator=gen, device=device)
+    k_scale = v_scale = None
+    if kv == "fp8_scaled":  # stored values up to ~64, scales ~1/32: dequantized K, V of order 1-2
+        k, v = (k * 16).to(FP8), (v * 16).to(FP8)
+        k_scale = torch.rand(nb, bs, hkv, generator=gen, device=device) / 16 + 1 / 64
+        v_scale = torch.rand(nb, bs, hkv, generator=gen, device=device) / 16 + 1 / 64
+    else:
+        dtype = dict(bf16=torch.bfloat16, fp32=torch.float32, fp8=FP8)[kv]
+        k, v = k.to(dtype), v.to(dtype)
+    poison = ~readable[..., None, None].expand(shape)
+    k, v = _poison(k, poison), _poison(v, poison)
+    if k_scale is not None:
+        k_scale[~readable] = float("nan")
+        v_scale[~readable] = float("nan")
+
+    q = (torch.randn(b, hq, d, generator=gen, device=device) * 2).to(q_dtype)  # * 2: a peaked softmax
+    gate = torch.randn(b, hq, d, generator=gen, device=device).to(q_dtype)
+    lens = torch.tensor(ctx, dtype=torch.int32, device=device)
+    return q, k, v, tables, lens, d ** -0.5, gate, k_scale, v_scale
+
+
+def _poison(cache: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    if cache.dtype == FP8:
+        bits = cache.view(torch.uint8).clone()
+        bits[where] = 0x7F  # E4M3 (fn) NaN
+        return bits.view(FP8)
+    return cache.masked_fill(where, float("nan"))
+
+
+def run_triton(*args, **kwargs) -> torch.Tensor:
+    out = torch.full_like(args[0], float("nan"))
+    with ops.use_backend("triton"):
+        res = paged_decode_attention(*args, out=out, **kwargs)
+    assert res is out
+    return out
+
+
+def run_native(*args) -> torch.Tensor:
+    with ops.use_backend("native"):
+        return paged_decode_attention(*args)
+
+
+def dense_attention_f64(q, k_cache, v_cache, tables, lens, scale, gate, k_scale, v_scale) -> torch.Tensor:
+    """Independent oracle: gather each token's K/V from its slot, dequantize, expand GQA, float64 softmax."""
+    b, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(b, hq, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        if n == 0:
+            continue
+        blk = torch.tensor([int(tables[i, t // bs]) for t in range(n)])
+        off = torch.tensor([t % bs for t in range(n)])
+        k = k_cache[blk, off].double()  # [n, kv_heads, D]
+        v = v_cache[blk, off].double()
+        if k_scale is not None:
+            k = k * k_scale[blk, off].double()[..., None]
+        if v_scale is not None:
+            v = v * v_scale[blk, off].double()[..., None]
+        for j in range(hq):
+            w = torch.softmax(k[:, j // (hq // hkv)] @ q[i, j].double() * scale, dim=0)  # [n]
+            out[i, j] = w @ v[:, j // (hq // hkv)]
+    return out * torch.sigmoid(gate.double()) if gate is not None else out
+
+
+# --- the reference ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv", ["fp32", "fp8", "fp8_scaled"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_reference_equals_dense_attention(kv, gated):
+    ctx = [13, 1, 22, 0]  # mid-block ends, one token, several blocks, an empty row (zeros)
+    q, k, v, tables, lens, scale, gate, ks, vs = make_case(4, 6, 2, 40, 4, ctx, kv, torch.float32, seed=7)
+    gate = gate if gated else None
+    expect = dense_attention_f64(q, k, v, tables, lens, scale, gate, ks, vs)
+    got = run_native(q, k, v, tables, lens, scale, gate, ks, vs)
+    torch.testing.assert_close(got.double(), expect, atol=1e-5, rtol=1e-5)  # fp32 vs float64 sums
+
+
+# --- the Triton provider ------------------------------------------------------------------------------
+
+KV_CASES = [("bf16", torch.bfloat16), ("fp32", torch.float32), ("fp8", torch.bfloat16),
+            ("fp8_scaled", torch.bfloat16), ("fp8_scaled", torch.float32)]
+CTX = {1: [21], 3: [13, 4, 26]}  # block 4: ends mid-block, exactly one block, up to 7 blocks
+
+
+@pytest.mark.parametrize("kv, q_dtype", KV_CASES)
+@pytest.mark.parametrize("d", [16, 40])
+@pytest.mark.parametrize("hq, hkv", [(4, 2), (6, 1), (2, 2)])
+@pytest.mark.parametrize("b", [1, 3])
+def test_triton_matches_reference(b, hq, hkv, d, kv, q_dtype):
+    args = make_case(b, hq, hkv, d, 4, CTX[b], kv, q_dtype, seed=b * 1000 + hq * 10 + d)
+    torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[q_dtype])
+
+
+@pytest.mark.parametrize("num_splits, block_n", [(2, 16), (3, 16), (5, 16), (2, 32)])
+@pytest.mark.parametrize("kv, q_dtype", [("fp32", torch.float32), ("fp8_scaled", torch.bfloat16)])
+def test_triton_split_context(num_splits, block_n, kv, q_dtype):
+    """Flash-decoding splits: uneven contexts leave some splits empty for short rows; a row with no
+    context gives zeros; block size 5 (not a power of two) makes tiles straddle blocks."""
+    args = make_case(4, 4, 2, 24, 5, [37, 3, 0, 60], kv, q_dtype, seed=num_splits, spare_cols=2)
+    out = run_triton(*args, num_splits=num_splits, block_n=block_n)
+    torch.testing.assert_close(out, run_native(*args), **TOL[q_dtype])
+    assert (out[2] == 0).all()
+
+
+def test_triton_ungated_and_strided_q():
+    """q and gate as views of a fused [B, heads, 2 * D] projection (q first, then gate), as attention makes."""
+    q, k, v, tables, lens, scale, _, _, _ = make_case(3, 4, 2, 16, 4, [9, 16, 2], "bf16", torch.bfloat16, seed=5)
+    qg = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for gate in (None, qg[..., 16:]):
+        args = (qg[..., :16], k, v, tables, lens, scale, gate)
+        torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[torch.bfloat16])
+    args = (q, k, v, tables, lens, scale)
+    torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[torch.bfloat16])
+
+
+# --- GPU: realistic shapes (Qwen3-Next: 16 q / 2 kv heads, head_dim 256, block 16) -------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8_scaled"])
+@pytest.mark.parametrize("b", [1, 8, 32])
+@pytest.mark.parametrize("num_splits", [None, 1])
+@pytest.mark.parametrize("fast_dot", [False, True])
+def test_gpu_triton_matches_reference(b, kv, num_splits, fast_dot):
+    lens = torch.randint(1000, 4001, (b,), generator=torch.Generator().manual_seed(b)).tolist()
+    args = make_case(b, 16, 2, 256, 16, lens, kv, torch.bfloat16, seed=b, device="cuda")
+    # tf32 dots on GPU: q.K is exact (16-bit and FP8 values fit tf32), p.V truncates p to 10 mantissa
+    # bits (2**-10 relative); fast_dot rounds p to bf16 (2**-9): both well inside the BF16 output tolerance.
+    out = run_triton(*args, num_splits=num_splits, fast_dot=fast_dot)
+    torch.testing.assert_close(out, run_native(*args), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_matches_reference():
+    args = make_case(8, 16, 2, 256, 16, [1000 + 377 * i for i in range(8)], "fp32", torch.float32, device="cuda")
+    torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[torch.float32])
