@@ -1,44 +1,529 @@
-"""MoE routing (softmax top-k, optionally renormalized) and the MoE over only the selected experts
-(SwiGLU experts, weighted sum)."""
+"""MoE routing (softmax top-k, optionally renormalized) and the MoE over only the selected experts: SwiGLU
+experts stored unquantized (`fused_moe`) or NVFP4 (`fused_moe_nvfp4`, W4A16), the weighted sum over the
+top-k and the shared-expert blend `sigmoid(shared_gate) * shared_out`.
+
+Triton providers (DESIGN 4):
+- `moe_route_softmax`: one program per row; softmax over E in fp32 and k rounds of (max, lowest index of
+  the max) over the logits, so ties go to the lower expert id exactly as in the reference.
+- `fused_moe`, `fused_moe_nvfp4`: the rows in groups of BM (16 or 32; a `tl.dot` needs 16). A group's
+  candidates are its (row, slot) pairs, or all expert ids when E is smaller; a program owns a candidate
+  expert when a row of the group chose it and (by pairs) no earlier pair did, so each selected expert is
+  read once per group and no unselected one is read. Nothing syncs with the host.
+  1. gate_up: one program per (group, candidate, tile of BI intermediate columns). An owner reads the
+     expert's gate and up tiles once for all the group's rows (rows that did not choose it masked to
+     zero) and writes silu(gate) * up, rounded to x's dtype, into the workspace [N * k, I] at (row, slot).
+  2. down: one program per (group, split, tile of BHO output columns); split s walks candidates s,
+     s + SPLIT, ... and for each owned expert reads its down tile once, rounds each row's expert output
+     to x's dtype (as the reference does), weights it in fp32 and accumulates. With one split it adds
+     sigmoid(shared_gate) * shared_out in fp32 and stores [N, H] once; with several (chosen so the grid
+     has a few programs per SM: a decode step has few rows and tiles) each stores fp32 partials and
+     `_moe_blend_kernel` sums them in split order and blends. No atomics: deterministic.
+  NVFP4 tiles are decoded in the kernel, W4A16: E2M1 codes with integer ops and a table of the doubled
+  magnitudes packed in one int32, E4M3 block scales from their uint8 bits (a native fp8 conversion on
+  the GPU, integer math under the interpreter), weight = value * (scale * global) in fp32 rounded to
+  x's dtype. `tl.dot_scaled` is not used: its e2m1 path does not compile for Hopper under Triton 3.6.
+
+Under Triton's interpreter (CPU tests) bf16 arithmetic is not available: loads are widened to fp32 right
+after they happen, the dots run in fp32 on values already rounded to x's dtype, and rounding to bf16 is
+done in integer math (the interpreter's own fp32 -> bf16 cast truncates); on the GPU the same kernels use
+x's dtype for the dot operands and the native casts.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
+import triton
+import triton.language as tl
 
-from mtpfactory.ops import Op
+from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.quant import dequantize_nvfp4
 
+ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+MAX_ROUTED_EXPERTS = 8192  # one program holds a row of router logits
+MAX_SPLIT = 16  # programs that share one (row group, output tile) of the down projection
+
+
+# --- references ------------------------------------------------------------------------------------------
 
 def _moe_route_softmax_native(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     """router_logits: [N, E]. Returns (weights fp32 [N, top_k], expert ids int64 [N, top_k]).
 
-    Softmax over all experts in fp32, the top_k largest (ties to the lower id), divided by their sum when
-    `renormalize`."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    Softmax over all experts in fp32; the top_k experts by fp32 logit (the same order as by probability),
+    ties to the lower id (a stable sort: `torch.topk` does not promise which of two equal values comes
+    first); their probabilities, divided by their sum when `renormalize`."""
+    logits = router_logits.float()                                       # [N, E]
+    probs = torch.softmax(logits, dim=-1)
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [N, k]
+    weights = probs.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
 
 
-moe_route_softmax = Op("moe_route_softmax", _moe_route_softmax_native)
+def _moe_native(x: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor, shared_out: torch.Tensor | None,
+                shared_gate: torch.Tensor | None) -> torch.Tensor:
+    """The MoE maths shared by both references; `expert(e)` gives (w_gate_up [2I, H], w_down [H, I]) in x's dtype.
 
-
-def _fused_moe_native(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """x: [N, H]; w_gate_up: [E, 2I, H] (gate rows first); w_down: [E, H, I];
-    topk_weights, topk_ids: [N, k]. Returns sum_j w_j * down_j(silu(gate_j x) * up_j x), [N, H] x's dtype.
-
-    Only the selected experts are read; each expert's output is rounded to x's dtype before it is
-    weighted (fp32 weight) and accumulated in fp32."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    inter = w_down.shape[-1]
+    Rounding order: the gate_up projection, silu, the product and the down projection each run in x's
+    dtype (so each expert's output is rounded to x's dtype); the output is weighted by its fp32 routing
+    weight and accumulated in fp32; sigmoid(shared_gate) * shared_out is added in fp32; one final
+    rounding to x's dtype."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)    # [N, H]
     for e in torch.unique(topk_ids).tolist():
         rows, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        gate_up = torch.nn.functional.linear(x[rows], w_gate_up[e])  # [n, 2I]
+        w_gate_up, w_down = expert(e)
+        inter = w_down.shape[-1]
+        gate_up = torch.nn.functional.linear(x[rows], w_gate_up)          # [n, 2I]
         h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = torch.nn.functional.linear(h, w_down[e])  # [n, H]
+        y = torch.nn.functional.linear(h, w_down)                         # [n, H]
         out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None].float())
+    if (shared_out is None) != (shared_gate is None):
+        raise ValueError("fused MoE: pass shared_out and shared_gate together, or neither")
+    if shared_out is not None:
+        out += torch.sigmoid(shared_gate.float()) * shared_out.float()   # [N, 1] * [N, H]
     return out.to(x.dtype)
 
 
+def _fused_moe_native(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, shared_out: torch.Tensor | None = None,
+                      shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [N, H]; w_gate_up: [E, 2I, H] (gate rows first); w_down: [E, H, I], both in x's dtype;
+    topk_weights (fp32), topk_ids: [N, k], ids distinct within a row; shared_out [N, H] and shared_gate
+    [N, 1] (logits) in x's dtype, optional together.
+
+    Returns sum_j w_j * down_j(silu(gate_j x) * up_j x) + sigmoid(shared_gate) * shared_out, [N, H] in
+    x's dtype, reading only the selected experts (rounding order: see `_moe_native`)."""
+    return _moe_native(x, lambda e: (w_gate_up[e], w_down[e]), topk_weights, topk_ids, shared_out, shared_gate)
+
+
+def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: torch.Tensor,
+                            gu_global: torch.Tensor, dn_weight: torch.Tensor, dn_scale: torch.Tensor,
+                            dn_global: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                            shared_out: torch.Tensor | None = None,
+                            shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """`fused_moe` with NVFP4 experts (DESIGN 3), gate and up quantized as separate tensors:
+    gu_weight uint8 [E, 2I, H/2], gu_scale float8_e4m3fn [E, 2I, H/16], gu_global fp32 [E, 2] (gate, up);
+    dn_weight uint8 [E, H, I/2], dn_scale [E, H, I/16], dn_global fp32 [E].
+
+    Each selected expert is dequantized to x's dtype with `dequantize_nvfp4` and run through the
+    `fused_moe` reference maths."""
+    inter = gu_weight.shape[1] // 2
+
+    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gate = dequantize_nvfp4(gu_weight[e, :inter], gu_scale[e, :inter], gu_global[e, 0], x.dtype,
+                                f"experts.{e}.gate_proj.weight")
+        up = dequantize_nvfp4(gu_weight[e, inter:], gu_scale[e, inter:], gu_global[e, 1], x.dtype,
+                              f"experts.{e}.up_proj.weight")
+        down = dequantize_nvfp4(dn_weight[e], dn_scale[e], dn_global[e], x.dtype, f"experts.{e}.down_proj.weight")
+        return torch.cat([gate, up]), down                                # [2I, H], [H, I]
+
+    return _moe_native(x, expert, topk_weights, topk_ids, shared_out, shared_gate)
+
+
+moe_route_softmax = Op("moe_route_softmax", _moe_route_softmax_native)
 fused_moe = Op("fused_moe", _fused_moe_native)
+fused_moe_nvfp4 = Op("fused_moe_nvfp4", _fused_moe_nvfp4_native)
+
+
+# --- Triton helpers --------------------------------------------------------------------------------------
+
+@triton.jit
+def _load_act(ptrs, mask, INTERP: tl.constexpr):
+    """A load of activations or unquantized weights (values already in x's dtype, ready for a dot);
+    widened to fp32 at once under the interpreter."""
+    v = tl.load(ptrs, mask=mask, other=0.0)
+    if INTERP:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _round_act(v, ACT: tl.constexpr, INTERP: tl.constexpr, AS_FP32: tl.constexpr):
+    """fp32 `v` rounded to x's dtype ACT: as ACT, or as fp32 holding the rounded value when AS_FP32 or
+    under the interpreter (which has no bf16 arithmetic, and whose fp32 -> bf16 cast truncates: there the
+    rounding to nearest even is done in integer math)."""
+    if INTERP and ACT == tl.bfloat16:
+        b = v.to(tl.int32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    elif INTERP or AS_FP32:
+        return v.to(ACT).to(tl.float32)
+    else:
+        return v.to(ACT)
+
+
+@triton.jit
+def _e4m3_bits_to_f32(bits):
+    """float8_e4m3fn bit patterns (int32, 0..255) -> fp32: 2**(e-7) * (1 + m/8), subnormals m * 2**-9."""
+    exp = (bits >> 3) & 15
+    man = bits & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(exp > 0, normal, man.to(tl.float32) * 0.001953125)
+    return tl.where((bits & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def _e2m1_twice(code):
+    """4-bit E2M1 codes (int32) -> 2 * value as fp32. The doubled magnitudes 0 1 2 3 4 6 8 12 sit as nibbles
+    in one int32 table, code 7 in the lowest nibble; the sign is bit 3."""
+    mag = (0x0123468C >> ((7 - (code & 7)) << 2)) & 15
+    v = mag.to(tl.float32)
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
+def _nvfp4_tiles(w_ptr, s_ptr, rows, row_ok, b0, n_bytes, stride_wn, stride_sn, glob,
+                 R: tl.constexpr, NB: tl.constexpr, INTERP: tl.constexpr):
+    """Rows `rows` [R] of an NVFP4 matrix (bytes [*, n_bytes], scales [*, n_bytes / 8]) over bytes
+    b0 .. b0 + 8 * NB (b0 a multiple of 8: whole 16-element blocks). Returns the weights of the even
+    elements (low nibbles) and of the odd ones (high nibbles), two fp32 tiles [R, 8 * NB]: value *
+    (scale * glob), one product per block and one per element (`dequantize_nvfp4` multiplies in the other
+    order; the two differ by at most an fp32 ulp)."""
+    blk = tl.arange(0, NB)
+    bb = b0 + blk[:, None] * 8 + tl.arange(0, 8)[None, :]                                  # [NB, 8]
+    ok = row_ok[:, None, None] & (bb < n_bytes)[None, :, :]
+    byte = tl.load(w_ptr + rows[:, None, None] * stride_wn + bb[None, :, :], mask=ok, other=0).to(tl.int32)
+    sb = b0 // 8 + blk                                                                     # [NB]
+    s_ok = row_ok[:, None] & (sb < n_bytes // 8)[None, :]
+    sbits = tl.load(s_ptr + rows[:, None] * stride_sn + sb[None, :], mask=s_ok, other=0)   # [R, NB] uint8
+    if INTERP:
+        scale = _e4m3_bits_to_f32(sbits.to(tl.int32))
+    else:
+        scale = sbits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    unit = (scale * glob * 0.5)[:, :, None]                                                # [R, NB, 1]
+    lo = _e2m1_twice(byte & 15) * unit                                                     # [R, NB, 8]
+    hi = _e2m1_twice(byte >> 4) * unit
+    return tl.reshape(lo, (R, NB * 8)), tl.reshape(hi, (R, NB * 8))
+
+
+@triton.jit
+def _group_pairs(ids_ptr, N, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, group):
+    """The row group's expert ids [BM, KP] (-1 where no pair) and each pair's index within the group."""
+    rows = group * BM + tl.arange(0, BM)
+    slots = tl.arange(0, KP)
+    ok = (rows < N)[:, None] & (slots < TOP_K)[None, :]
+    ids = tl.load(ids_ptr + rows[:, None] * TOP_K + slots[None, :], mask=ok, other=-1)
+    local = tl.arange(0, BM)[:, None] * TOP_K + slots[None, :]
+    return rows, ids, local
+
+
+@triton.jit
+def _candidate(ids_ptr, ids, local, first, c, n_pairs, BY_EXPERT: tl.constexpr):
+    """Candidate c of a row group whose pairs start at `first`: expert c (BY_EXPERT), or the expert of the
+    group's pair c. Returns (expert id int64, owned): owned when a row of the group chose that expert and,
+    by pairs, no earlier pair of the group did, so each selected expert is read once per group."""
+    if BY_EXPERT:
+        e = tl.max(tl.where(ids == c, ids, -1), axis=None)
+        owned = e >= 0
+    else:
+        e = tl.load(ids_ptr + first + c, mask=first + c < n_pairs, other=-1)
+        owned = (e >= 0) & (tl.sum(((ids == e) & (local < c)).to(tl.int32), axis=None) == 0)
+    return e, owned
+
+
+@triton.jit
+def _blend_store(acc, rows, row_ok, oo, o_ok, so_ptr, sg_ptr, out_ptr, stride_som, stride_sgm, stride_om,
+                 HAS_SHARED: tl.constexpr, ACT: tl.constexpr, INTERP: tl.constexpr):
+    """out[rows, oo] = acc + sigmoid(shared_gate[rows]) * shared_out[rows, oo], in fp32, rounded once."""
+    if HAS_SHARED:
+        gate = _load_act(sg_ptr + rows * stride_sgm, row_ok, INTERP).to(tl.float32)        # [R]
+        so = _load_act(so_ptr + rows[:, None] * stride_som + oo[None, :], row_ok[:, None] & o_ok[None, :],
+                       INTERP).to(tl.float32)
+        acc += tl.sigmoid(gate)[:, None] * so
+    tl.store(out_ptr + rows[:, None] * stride_om + oo[None, :], _round_act(acc, ACT, INTERP, False),
+             mask=row_ok[:, None] & o_ok[None, :])
+
+
+# --- kernels ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _moe_route_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_lm,
+                              TOP_K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, RENORM: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BE)
+    valid = offs < E
+    logit = tl.load(logits_ptr + row * stride_lm + offs, mask=valid, other=0.0).to(tl.float32)
+    logit = tl.where(valid, logit, float("-inf"))                                          # [BE]
+    p = tl.where(valid, tl.exp(logit - tl.max(logit, axis=0)), 0.0)
+    probs = p / tl.sum(p, axis=0)
+    ks = tl.arange(0, KP)
+    w = tl.zeros((KP,), tl.float32)
+    ids = tl.zeros((KP,), tl.int64)
+    taken = offs >= E
+    for j in tl.static_range(TOP_K):
+        cand = tl.where(taken, float("-inf"), logit)
+        best = tl.min(tl.where((cand == tl.max(cand, axis=0)) & (~taken), offs, BE), axis=0)  # lowest id of the max
+        w = tl.where(ks == j, tl.sum(tl.where(offs == best, probs, 0.0), axis=0), w)
+        ids = tl.where(ks == j, best.to(tl.int64), ids)
+        taken = taken | (offs == best)
+    if RENORM:
+        w = w / tl.sum(w, axis=0)
+    tl.store(weights_ptr + row * TOP_K + ks, w, mask=ks < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + ks, ids, mask=ks < TOP_K)
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr,
+                        N, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                        C, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr,
+                        BH: tl.constexpr, BY_EXPERT: tl.constexpr, NVFP4: tl.constexpr, ACT: tl.constexpr,
+                        INTERP: tl.constexpr):
+    """h[n * k + j, i] = silu(gate_e x_n)_i * (up_e x_n)_i for e = ids[n, j], over one tile of I; one
+    program per (row group, candidate c < C)."""
+    group = tl.program_id(0) // C
+    rows, ids, local = _group_pairs(ids_ptr, N, TOP_K, KP, BM, group)
+    e, owned = _candidate(ids_ptr, ids, local, group * BM * TOP_K, tl.program_id(0) % C,
+                          N * TOP_K, BY_EXPERT)
+    if owned:
+        hit = ids == e                                                                     # [BM, KP]
+        has = tl.max(hit.to(tl.int32), axis=1) > 0                                         # [BM]
+        slot = tl.sum(tl.where(hit, tl.arange(0, KP)[None, :], 0), axis=1)                # [BM]
+        ii = tl.program_id(1) * BI + tl.arange(0, BI)
+        i_ok = ii < I
+        e64 = e.to(tl.int64)                               # a large stride_we times e needs 64 bits
+        acc_g = tl.zeros((BM, BI), tl.float32)
+        acc_u = tl.zeros((BM, BI), tl.float32)
+        if NVFP4:
+            NB: tl.constexpr = BH // 16
+            glob_g = tl.load(g_ptr + e64 * 2)
+            glob_u = tl.load(g_ptr + e64 * 2 + 1)
+            wb = w_ptr + e64 * stride_we
+            sb = s_ptr + e64 * stride_se
+            for b0 in range(0, H // 2, BH // 2):
+                cols = 2 * (b0 + tl.arange(0, BH // 2))                                    # even elements
+                xm = has[:, None] & (cols < H)[None, :]
+                xp = x_ptr + rows[:, None] * stride_xm + cols[None, :]
+                x_even = _load_act(xp, xm, INTERP)                                         # [BM, BH/2]
+                x_odd = _load_act(xp + 1, xm, INTERP)
+                g_lo, g_hi = _nvfp4_tiles(wb, sb, ii, i_ok, b0, H // 2, stride_wn, stride_sn, glob_g, BI, NB, INTERP)
+                u_lo, u_hi = _nvfp4_tiles(wb, sb, ii + I, i_ok, b0, H // 2, stride_wn, stride_sn, glob_u, BI, NB, INTERP)
+                acc_g += tl.dot(x_even, tl.trans(_round_act(g_lo, ACT, INTERP, False)), input_precision="ieee")
+                acc_g += tl.dot(x_odd, tl.trans(_round_act(g_hi, ACT, INTERP, False)), input_precision="ieee")
+                acc_u += tl.dot(x_even, tl.trans(_round_act(u_lo, ACT, INTERP, False)), input_precision="ieee")
+                acc_u += tl.dot(x_odd, tl.trans(_round_act(u_hi, ACT, INTERP, False)), input_precision="ieee")
+        else:
+            for h0 in range(0, H, BH):
+                hh = h0 + tl.arange(0, BH)
+                h_ok = hh < H
+                xt = _load_act(x_ptr + rows[:, None] * stride_xm + hh[None, :], has[:, None] & h_ok[None, :],
+                               INTERP)                                                     # [BM, BH]
+                wp = w_ptr + e64 * stride_we + ii[:, None] * stride_wn + hh[None, :]
+                wm = i_ok[:, None] & h_ok[None, :]
+                wg = _load_act(wp, wm, INTERP)                                             # [BI, BH]
+                wu = _load_act(wp + I * stride_wn, wm, INTERP)
+                acc_g += tl.dot(xt, tl.trans(wg), input_precision="ieee")
+                acc_u += tl.dot(xt, tl.trans(wu), input_precision="ieee")
+        act = acc_g * tl.sigmoid(acc_g) * acc_u                                            # [BM, BI]
+        tl.store(h_ptr + (rows * TOP_K + slot)[:, None] * I + ii[None, :], _round_act(act, ACT, INTERP, False),
+                 mask=has[:, None] & i_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr, out_ptr, part_ptr,
+                     N, H, I, stride_we, stride_wn, stride_se, stride_sn, stride_som, stride_sgm, stride_om,
+                     C, SPLIT, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BHO: tl.constexpr,
+                     BI: tl.constexpr, BY_EXPERT: tl.constexpr, NVFP4: tl.constexpr, HAS_SHARED: tl.constexpr,
+                     PARTIAL: tl.constexpr, ACT: tl.constexpr, INTERP: tl.constexpr):
+    """out[n, o] = sum_j tw[n, j] * round(down_e h[n * k + j])_o + sigmoid(sg[n]) * so[n, o], over one tile
+    of H. One program per (row group, split, tile); split s takes candidates s, s + SPLIT, ... With
+    PARTIAL (SPLIT > 1) it stores its fp32 sum in part[s, n, o] for `_moe_blend_kernel`."""
+    group = tl.program_id(0) // SPLIT
+    split = tl.program_id(0) % SPLIT
+    rows, ids, local = _group_pairs(ids_ptr, N, TOP_K, KP, BM, group)
+    row_ok = rows < N
+    slots = tl.arange(0, KP)
+    tw = tl.load(tw_ptr + rows[:, None] * TOP_K + slots[None, :],
+                 mask=row_ok[:, None] & (slots < TOP_K)[None, :], other=0.0).to(tl.float32)  # [BM, KP]
+    oo = tl.program_id(1) * BHO + tl.arange(0, BHO)
+    o_ok = oo < H
+    acc = tl.zeros((BM, BHO), tl.float32)
+    first = group * BM * TOP_K
+    for c in range(split, C, SPLIT):
+        e, owned = _candidate(ids_ptr, ids, local, first, c, N * TOP_K, BY_EXPERT)
+        if owned:
+            hit = ids == e
+            has = tl.max(hit.to(tl.int32), axis=1) > 0                                     # [BM]
+            slot = tl.sum(tl.where(hit, slots[None, :], 0), axis=1)
+            weight = tl.sum(tl.where(hit, tw, 0.0), axis=1)                                # [BM], 0 off e
+            hrow = h_ptr + (rows * TOP_K + slot)[:, None] * I                              # [BM, 1]
+            e64 = e.to(tl.int64)
+            y = tl.zeros((BM, BHO), tl.float32)
+            if NVFP4:
+                NB: tl.constexpr = BI // 16
+                glob = tl.load(g_ptr + e64)
+                for b0 in range(0, I // 2, BI // 2):
+                    cols = 2 * (b0 + tl.arange(0, BI // 2))
+                    hm = has[:, None] & (cols < I)[None, :]
+                    h_even = _load_act(hrow + cols[None, :], hm, INTERP)                   # [BM, BI/2]
+                    h_odd = _load_act(hrow + cols[None, :] + 1, hm, INTERP)
+                    d_lo, d_hi = _nvfp4_tiles(w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, oo, o_ok, b0,
+                                              I // 2, stride_wn, stride_sn, glob, BHO, NB, INTERP)
+                    y += tl.dot(h_even, tl.trans(_round_act(d_lo, ACT, INTERP, False)), input_precision="ieee")
+                    y += tl.dot(h_odd, tl.trans(_round_act(d_hi, ACT, INTERP, False)), input_precision="ieee")
+            else:
+                for i0 in range(0, I, BI):
+                    ii = i0 + tl.arange(0, BI)
+                    i_ok = ii < I
+                    ht = _load_act(hrow + ii[None, :], has[:, None] & i_ok[None, :], INTERP)
+                    wd = _load_act(w_ptr + e64 * stride_we + oo[:, None] * stride_wn + ii[None, :],
+                                   o_ok[:, None] & i_ok[None, :], INTERP)                  # [BHO, BI]
+                    y += tl.dot(ht, tl.trans(wd), input_precision="ieee")
+            acc += weight[:, None] * _round_act(y, ACT, INTERP, True)
+    if PARTIAL:
+        tl.store(part_ptr + (split * N + rows)[:, None] * H + oo[None, :], acc, mask=row_ok[:, None] & o_ok[None, :])
+    else:
+        _blend_store(acc, rows, row_ok, oo, o_ok, so_ptr, sg_ptr, out_ptr, stride_som, stride_sgm, stride_om,
+                     HAS_SHARED, ACT, INTERP)
+
+
+@triton.jit
+def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_som, stride_sgm, stride_om,
+                      BM: tl.constexpr, BHO: tl.constexpr, HAS_SHARED: tl.constexpr, ACT: tl.constexpr,
+                      INTERP: tl.constexpr):
+    """out = sum over the splits of part[s] (in split order: deterministic) + the shared blend."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    oo = tl.program_id(1) * BHO + tl.arange(0, BHO)
+    row_ok, o_ok = rows < N, oo < H
+    acc = tl.zeros((BM, BHO), tl.float32)
+    for s in range(0, SPLIT):
+        acc += tl.load(part_ptr + (s * N + rows)[:, None] * H + oo[None, :], mask=row_ok[:, None] & o_ok[None, :],
+                       other=0.0)
+    _blend_store(acc, rows, row_ok, oo, o_ok, so_ptr, sg_ptr, out_ptr, stride_som, stride_sgm, stride_om,
+                 HAS_SHARED, ACT, INTERP)
+
+
+# --- launchers and registration --------------------------------------------------------------------------
+
+def _moe_route_softmax_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
+                              out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """`out`: optional (weights fp32 [N, k], ids int64 [N, k]) to write into."""
+    n, e = router_logits.shape
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights, ids = out if out is not None else (
+        torch.empty(n, top_k, dtype=torch.float32, device=logits.device),
+        torch.empty(n, top_k, dtype=torch.int64, device=logits.device))
+    if n:
+        _moe_route_softmax_kernel[(n,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
+                                        KP=triton.next_power_of_2(top_k), BE=triton.next_power_of_2(e),
+                                        RENORM=bool(renormalize))
+    return weights, ids
+
+
+def _route_supports(router_logits, top_k, renormalize, **_) -> bool:
+    return (triton_can_run(router_logits) and router_logits.dim() == 2 and router_logits.dtype in ACT_DTYPES
+            and 1 <= top_k <= router_logits.shape[1] <= MAX_ROUTED_EXPERTS)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small number for the interpreter (CPU), which runs
+    programs one by one."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def _tiles(hidden: int, inter: int, nvfp4: bool) -> dict:
+    """Tile sizes: BI gate and up rows per gate_up program, BHO down rows per down program; the K chunks
+    (BH over H, BI_K over I) are whole 16-element NVFP4 blocks and at least 32 wide (an NVFP4 chunk feeds
+    two dots of half its width, and a dot needs 16)."""
+    return dict(BI=32, BHO=64, BH=min(128, max(32, triton.next_power_of_2(hidden))),
+                BI_K=min(128, max(32, triton.next_power_of_2(inter))), warps=4)
+
+
+def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_gate, out, workspace, nvfp4):
+    """Both MoE providers. tensors = (gate_up weight, its scale, its global, down weight, its scale, its
+    global); the scale and global entries are ignored (pass anything) for unquantized weights."""
+    w_gu, s_gu, g_gu, w_dn, s_dn, g_dn = tensors
+    n, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    if (shared_out is None) != (shared_gate is None):
+        raise ValueError("fused MoE: pass shared_out and shared_gate together, or neither")
+    out = torch.empty_like(x) if out is None else out
+    if n == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    tw = topk_weights.to(torch.float32).contiguous()
+    h = workspace if workspace is not None else torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)
+    has_shared = shared_out is not None
+    so = shared_out if has_shared else x
+    sg = shared_gate if has_shared else x
+    bm = min(32, max(16, triton.next_power_of_2(n)))      # rows per group; a dot needs 16
+    groups = triton.cdiv(n, bm)
+    # A group's candidates: its (row, slot) pairs, or every expert id when there are fewer experts.
+    cand = min(n, bm) * top_k
+    by_expert = w_gu.shape[0] < cand
+    cand = w_gu.shape[0] if by_expert else cand
+    consts = dict(C=cand, TOP_K=top_k, KP=triton.next_power_of_2(top_k), BM=bm, BY_EXPERT=by_expert, NVFP4=nvfp4,
+                  ACT=ACT_DTYPES[x.dtype], INTERP=x.device.type == "cpu")
+    t = _tiles(hidden, inter, nvfp4)
+    s_strides = (s_gu.stride(0), s_gu.stride(1)) if nvfp4 else (0, 0)
+    _moe_gate_up_kernel[(groups * cand, triton.cdiv(inter, t["BI"]))](
+        x, ids, w_gu, s_gu, g_gu, h, n, hidden, inter, x.stride(0), w_gu.stride(0), w_gu.stride(1), *s_strides,
+        BI=t["BI"], BH=t["BH"], num_warps=t["warps"], **consts)
+    # The down kernel walks a group's candidates one after another; split them over programs until the
+    # grid has a few programs per SM, then sum the fp32 partials in a fixed order.
+    tiles = triton.cdiv(hidden, t["BHO"])
+    split = max(1, min(cand, MAX_SPLIT, (4 * _sm_count(x.device)) // (groups * tiles)))
+    part = torch.empty(split, n, hidden, dtype=torch.float32, device=x.device) if split > 1 else out
+    strides = (so.stride(0), sg.stride(0), out.stride(0))
+    s_strides = (s_dn.stride(0), s_dn.stride(1)) if nvfp4 else (0, 0)
+    _moe_down_kernel[(groups * split, tiles)](
+        h, ids, tw, w_dn, s_dn, g_dn, so, sg, out, part, n, hidden, inter, w_dn.stride(0), w_dn.stride(1),
+        *s_strides, *strides, SPLIT=split, BHO=t["BHO"], BI=t["BI_K"], HAS_SHARED=has_shared, PARTIAL=split > 1,
+        num_warps=t["warps"], **consts)
+    if split > 1:
+        _moe_blend_kernel[(n, triton.cdiv(hidden, 128))](
+            part, so, sg, out, n, hidden, split, *strides, BM=1, BHO=128, HAS_SHARED=has_shared,
+            ACT=consts["ACT"], INTERP=consts["INTERP"])
+    return out
+
+
+def _fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None, *,
+                      out=None, workspace=None):
+    """`out` [N, H] and `workspace` [N * k, I] (x's dtype) may be given to write into."""
+    return _launch_moe(x, (w_gate_up, w_gate_up, w_gate_up, w_down, w_down, w_down), w_down.shape[2],
+                       topk_weights, topk_ids, shared_out, shared_gate, out, workspace, nvfp4=False)
+
+
+def _fused_moe_nvfp4_triton(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+                            topk_ids, shared_out=None, shared_gate=None, *, out=None, workspace=None):
+    """As `_fused_moe_triton`; the e4m3 scales are passed as their uint8 bits."""
+    tensors = (gu_weight, gu_scale.view(torch.uint8), gu_global.float().contiguous(),
+               dn_weight, dn_scale.view(torch.uint8), dn_global.float().contiguous())
+    return _launch_moe(x, tensors, 2 * dn_weight.shape[2], topk_weights, topk_ids, shared_out, shared_gate,
+                       out, workspace, nvfp4=True)
+
+
+def _inner_contiguous(*tensors) -> bool:
+    return all(t.stride(-1) == 1 for t in tensors)
+
+
+def _shared_ok(x, shared_out, shared_gate) -> bool:
+    return all(t is None or (t.dtype == x.dtype and t.dim() == 2 and _inner_contiguous(t))
+               for t in (shared_out, shared_gate))
+
+
+def _fused_moe_supports(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None,
+                        **_) -> bool:
+    extra = [t for t in (shared_out, shared_gate) if t is not None]
+    return (triton_can_run(x, w_gate_up, w_down, topk_weights, topk_ids, *extra) and x.dim() == 2
+            and x.dtype in ACT_DTYPES and w_gate_up.dtype == w_down.dtype == x.dtype
+            and _inner_contiguous(w_gate_up, w_down) and _shared_ok(x, shared_out, shared_gate))
+
+
+def _fused_moe_nvfp4_supports(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+                              topk_ids, shared_out=None, shared_gate=None, **_) -> bool:
+    extra = [t for t in (shared_out, shared_gate) if t is not None]
+    return (triton_can_run(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+                           topk_ids, *extra)
+            and x.dim() == 2 and x.dtype in ACT_DTYPES and gu_weight.dtype == dn_weight.dtype == torch.uint8
+            and gu_scale.dtype == dn_scale.dtype == torch.float8_e4m3fn
+            and _inner_contiguous(gu_weight, gu_scale, dn_weight, dn_scale) and _shared_ok(x, shared_out, shared_gate))
+
+
+moe_route_softmax.register_provider("triton", _moe_route_softmax_triton, _route_supports)
+fused_moe.register_provider("triton", _fused_moe_triton, _fused_moe_supports)
+fused_moe_nvfp4.register_provider("triton", _fused_moe_nvfp4_triton, _fused_moe_nvfp4_supports)

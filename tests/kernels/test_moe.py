@@ -1,0 +1,327 @@
+"""MoE ops: softmax top-k routing, `fused_moe` (unquantized experts) and `fused_moe_nvfp4` (NVFP4 experts,
+W4A16), each with the shared-expert blend.
+
+The references are checked against independent computations (a brute-force sort for the routing, every
+expert computed densely and masked by the routing for the MoE); each Triton provider is checked against
+its reference over odd shapes, with outputs and workspaces poisoned with NaN before the launch and every
+expert that no row selected poisoned with NaN too (so a provider that reads an unselected expert, or
+leaves an output unwritten, fails).
+
+Tolerances, relative to the largest output magnitude:
+- fp32: 1e-5. Provider and reference compute the same fp32 products and differ only in summation order
+  (measured <= 5e-7); a wrong expert, slot, weight or NVFP4 code changes outputs by >= 1e-3.
+- bf16: 2e-2 (about five bf16 ulps at the output's scale). The reference rounds the gate_up output, silu,
+  the product, each expert's output and the result to bf16; the provider rounds only the intermediate
+  h, each expert's output and the result. Against an fp64 evaluation of the same inputs the provider is
+  off by <= 4e-3 and the reference by <= 6.5e-3 (measured), so they can differ by ~1e-2.
+- routing: expert ids exactly; weights 1e-6 absolute (probabilities <= 1; exp differs by an ulp).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtpfactory import ops
+from mtpfactory.errors import ConfigError
+from mtpfactory.kernels import moe
+from mtpfactory.quant import E2M1_VALUES
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+DTYPES = [torch.float32, torch.bfloat16]
+
+# (N, E, top_k, H, I): N in {1, 3, 17}, E in {4, 9}, top_k in {1, 2, 3}; H and I multiples of 16 below
+# and above one 32-wide tile. The launcher picks its candidates by (row, slot) pair when a row group has
+# fewer pairs than E and by expert id otherwise: both occur here.
+SHAPES = [(1, 4, 1, 32, 32), (1, 9, 3, 48, 32), (3, 9, 2, 48, 48), (3, 4, 3, 32, 48), (17, 9, 3, 32, 32),
+          (17, 4, 2, 48, 32)]
+
+
+def shape_id(shape) -> str:
+    return "N{}-E{}-k{}-H{}-I{}".format(*shape)
+
+
+def scaled_close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """|got - ref| <= tol * max|ref| elementwise; NaN anywhere fails."""
+    torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=tol * ref.float().abs().max().item())
+
+
+def tied_logits(n: int, e: int, gen: torch.Generator) -> torch.Tensor:
+    """[N, E] fp32 router logits with planted ties: small integers (many equal values on the top-k
+    boundary), the last row all equal."""
+    logits = torch.randint(-2, 3, (n, e), generator=gen).float()
+    logits[-1] = 0.5
+    return logits
+
+
+def routing(n: int, e: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [N, k], ids int64 [N, k]) from the reference router on tied logits."""
+    return moe.moe_route_softmax(tied_logits(n, e, gen), k, True)
+
+
+def unselected(e: int, ids: torch.Tensor) -> torch.Tensor:
+    """Boolean [E]: experts no row selected."""
+    mask = torch.ones(e, dtype=torch.bool, device=ids.device)
+    mask[ids.flatten()] = False
+    return mask
+
+
+def dense_moe(x, w_gate_up, w_down, weights, ids, shared_out=None, shared_gate=None) -> torch.Tensor:
+    """The MoE evaluated in fp64 with every expert computed for every row, masked by the routing."""
+    x, w_gate_up, w_down = x.double(), w_gate_up.double(), w_down.double()
+    inter = w_down.shape[-1]
+    gate_up = torch.einsum("nh,eoh->neo", x, w_gate_up)                                   # [N, E, 2I]
+    h = torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    y = torch.einsum("nei,eoi->neo", h, w_down)                                            # [N, E, H]
+    mask = torch.zeros(x.shape[0], w_gate_up.shape[0], dtype=torch.float64, device=x.device)
+    mask.scatter_(1, ids, weights.double())                                                # [N, E]
+    out = (mask[..., None] * y).sum(dim=1)
+    if shared_out is not None:
+        out = out + torch.sigmoid(shared_gate.double()) * shared_out.double()
+    return out
+
+
+def experts(e: int, h: int, i: int, dtype, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_gate_up [E, 2I, H], w_down [E, H, I] on gen's device, scaled so that activations stay O(1)."""
+    w_gate_up = torch.randn(e, 2 * i, h, generator=gen, device=gen.device) / h**0.5
+    w_down = torch.randn(e, h, i, generator=gen, device=gen.device) / i**0.5
+    return w_gate_up.to(dtype), w_down.to(dtype)
+
+
+def nvfp4_stack(e: int, rows: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random NVFP4 weights on gen's device: every byte value (so every code in both nibbles) and e4m3
+    block scales mostly normal around 1 (2**-2 .. 2**2), one block in eight zero or subnormal."""
+    like = dict(generator=gen, device=gen.device)
+    weight = torch.randint(0, 256, (e, rows, k // 2), dtype=torch.uint8, **like)
+    bits = torch.randint(0x28, 0x48, (e, rows, k // 16), dtype=torch.uint8, **like)
+    small = torch.randint(0, 8, (e, rows, k // 16), dtype=torch.uint8, **like)
+    bits = torch.where(torch.rand(bits.shape, **like) < 0.125, small, bits)
+    return weight, bits.view(torch.float8_e4m3fn)
+
+
+def nvfp4_experts(e: int, h: int, i: int, gen) -> dict[str, torch.Tensor]:
+    gu_weight, gu_scale = nvfp4_stack(e, 2 * i, h, gen)
+    dn_weight, dn_scale = nvfp4_stack(e, h, i, gen)
+    # |code| averages ~2.6 and scales ~1: globals that keep gate_up and down outputs O(1).
+    gu_global = (0.5 + torch.rand(e, 2, generator=gen, device=gen.device)) / (3 * h**0.5)
+    dn_global = (0.5 + torch.rand(e, generator=gen, device=gen.device)) / (3 * i**0.5)
+    return dict(gu_weight=gu_weight, gu_scale=gu_scale, gu_global=gu_global, dn_weight=dn_weight,
+                dn_scale=dn_scale, dn_global=dn_global)
+
+
+def dequantize_stack(weight: torch.Tensor, scale: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+    """[E, R, K/2] codes with [E, R, K/16] scales and per-expert globals [E] (or [E, R] per row) -> fp32
+    [E, R, K], written independently of `dequantize_nvfp4`."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=weight.device)
+    codes = torch.stack([weight & 15, weight >> 4], dim=-1).flatten(-2).long()          # element 2j low nibble
+    values = table[codes] * scale.float().repeat_interleave(16, dim=-1)
+    return values * (glob[:, None, None] if glob.dim() == 1 else glob[..., None])
+
+
+def nvfp4_dense(q: dict[str, torch.Tensor], inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    per_row = q["gu_global"].repeat_interleave(inter, dim=1)                               # [E, 2I]
+    return (dequantize_stack(q["gu_weight"], q["gu_scale"], per_row),
+            dequantize_stack(q["dn_weight"], q["dn_scale"], q["dn_global"]))
+
+
+def shared_inputs(n: int, h: int, dtype, gen) -> dict[str, torch.Tensor]:
+    return dict(shared_out=torch.randn(n, h, generator=gen, device=gen.device).to(dtype),
+                shared_gate=(2 * torch.randn(n, 1, generator=gen, device=gen.device)).to(dtype))
+
+
+def poisoned(n: int, h: int, k: int, inter: int, dtype, device) -> dict[str, torch.Tensor]:
+    return dict(out=torch.full((n, h), float("nan"), dtype=dtype, device=device),
+                workspace=torch.full((n * k, inter), float("nan"), dtype=dtype, device=device))
+
+
+# --- routing ---------------------------------------------------------------------------------------------
+
+def brute_force_route(logits: torch.Tensor, k: int, renormalize: bool):
+    ids = [sorted(range(len(row)), key=lambda e: (-row[e], e))[:k] for row in logits.float().tolist()]
+    ids = torch.tensor(ids, dtype=torch.int64)
+    weights = torch.softmax(logits.double(), dim=-1).gather(1, ids)
+    return (weights / weights.sum(-1, keepdim=True) if renormalize else weights), ids
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("n,e,k", [(1, 4, 1), (3, 9, 2), (17, 9, 3), (17, 4, 2), (3, 9, 9)])
+def test_route_reference_ties_to_lower_id(n, e, k, renormalize):
+    gen = torch.Generator().manual_seed(n * 100 + e * 10 + k)
+    logits = tied_logits(n, e, gen)
+    weights, ids = moe.moe_route_softmax(logits, k, renormalize)
+    want_weights, want_ids = brute_force_route(logits, k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights.double(), want_weights, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("n,e,k", [(1, 4, 1), (3, 9, 2), (17, 9, 3), (17, 4, 2), (3, 512, 10)])
+def test_route_triton_matches_reference(n, e, k, renormalize, dtype):
+    gen = torch.Generator().manual_seed(n * 100 + e * 10 + k)
+    logits = tied_logits(n, e, gen)
+    logits[0] = torch.randn(e, generator=gen)             # one row of distinct values
+    logits = logits.to(dtype)
+    want_weights, want_ids = moe.moe_route_softmax(logits, k, renormalize)
+    out = (torch.full((n, k), float("nan")), torch.full((n, k), -7, dtype=torch.int64))
+    with ops.use_backend("triton"):
+        weights, ids = moe.moe_route_softmax(logits, k, renormalize, out=out)
+    assert weights is out[0] and ids is out[1]
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
+
+
+# --- the references --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
+@pytest.mark.parametrize("shape", SHAPES[::2], ids=shape_id)
+def test_fused_moe_reference_against_dense(shape, shared, dtype):
+    n, e, k, h, i = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(n, h, generator=gen).to(dtype)
+    w_gate_up, w_down = experts(e, h, i, dtype, gen)
+    weights, ids = routing(n, e, k, gen)
+    blend = shared_inputs(n, h, dtype, gen) if shared else {}
+    got = moe.fused_moe(x, w_gate_up, w_down, weights, ids, **blend)
+    assert got.dtype == dtype and got.shape == (n, h)
+    scaled_close(got, dense_moe(x, w_gate_up, w_down, weights, ids, **blend), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[1::2], ids=shape_id)
+def test_fused_moe_nvfp4_reference_against_dense(shape, dtype):
+    n, e, k, h, i = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(n, h, generator=gen).to(dtype)
+    q = nvfp4_experts(e, h, i, gen)
+    weights, ids = routing(n, e, k, gen)
+    blend = shared_inputs(n, h, dtype, gen)
+    got = moe.fused_moe_nvfp4(x, **q, topk_weights=weights, topk_ids=ids, **blend)
+    # dense from the fp32 dequantized weights rounded to x's dtype, as the reference defines
+    w_gate_up, w_down = (w.to(dtype) for w in nvfp4_dense(q, i))
+    scaled_close(got, dense_moe(x, w_gate_up, w_down, weights, ids, **blend), TOL[dtype])
+
+
+def test_shared_blend_needs_both_arguments():
+    x = torch.randn(2, 32)
+    w_gate_up, w_down = experts(4, 32, 32, torch.float32, torch.Generator().manual_seed(0))
+    weights, ids = torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="together"):
+        moe.fused_moe(x, w_gate_up, w_down, weights, ids, shared_out=x)
+
+
+# --- the Triton providers --------------------------------------------------------------------------------
+
+def run_both(op, x, args: dict, blend: dict, k: int, inter: int):
+    """(provider output into NaN-poisoned buffers, reference output)."""
+    buffers = poisoned(x.shape[0], x.shape[1], k, inter, x.dtype, x.device)
+    with ops.use_backend("triton"):
+        got = op(x, **args, **blend, **buffers)
+    assert got is buffers["out"]
+    return got, op.reference(x, **args, **blend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_fused_moe_triton_matches_reference(shape, shared, dtype):
+    n, e, k, h, i = shape
+    gen = torch.Generator().manual_seed(sum(shape) + 1)
+    x = torch.randn(n, h, generator=gen).to(dtype)
+    w_gate_up, w_down = experts(e, h, i, dtype, gen)
+    weights, ids = routing(n, e, k, gen)
+    off = unselected(e, ids)
+    w_gate_up[off], w_down[off] = float("nan"), float("nan")
+    blend = shared_inputs(n, h, dtype, gen) if shared else {}
+    got, want = run_both(moe.fused_moe, x, dict(w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights,
+                                                topk_ids=ids), blend, k, i)
+    scaled_close(got, want, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_fused_moe_nvfp4_triton_matches_reference(shape, dtype):
+    n, e, k, h, i = shape
+    gen = torch.Generator().manual_seed(sum(shape) + 2)
+    x = torch.randn(n, h, generator=gen).to(dtype)
+    q = nvfp4_experts(e, h, i, gen)
+    weights, ids = routing(n, e, k, gen)
+    off = unselected(e, ids)
+    q["gu_global"][off], q["dn_global"][off] = float("nan"), float("nan")
+    shared = shape[0] != 3                                 # with and without the blend
+    blend = shared_inputs(n, h, dtype, gen) if shared else {}
+    got, want = run_both(moe.fused_moe_nvfp4, x, dict(**q, topk_weights=weights, topk_ids=ids), blend, k, i)
+    scaled_close(got, want, TOL[dtype])
+
+
+def test_fused_moe_triton_fp16_and_strided_rows():
+    """fp16 activations, and x / shared_out given as row slices of wider tensors (a row stride != H)."""
+    n, e, k, h, i = 5, 6, 2, 32, 32
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(n, 2 * h, generator=gen).half()
+    x = wide[:, h:]
+    w_gate_up, w_down = experts(e, h, i, torch.float16, gen)
+    weights, ids = routing(n, e, k, gen)
+    blend = dict(shared_out=wide[:, :h], shared_gate=torch.randn(n, 1, generator=gen).half())
+    got, want = run_both(moe.fused_moe, x, dict(w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights,
+                                                topk_ids=ids), blend, k, i)
+    scaled_close(got, want, TOL[torch.float16])
+
+
+def test_triton_backend_refuses_what_it_cannot_serve():
+    """Weights in another dtype than x: no Triton provider serves it, and backend=triton says so."""
+    x = torch.randn(2, 32)
+    w_gate_up, w_down = experts(4, 32, 32, torch.bfloat16, torch.Generator().manual_seed(0))
+    with ops.use_backend("triton"), pytest.raises(ConfigError, match="fused_moe"):
+        moe.fused_moe(x, w_gate_up, w_down, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64))
+
+
+# --- the real Qwen3-Next shape, on the GPU ---------------------------------------------------------------
+
+QWEN3_NEXT = dict(e=512, k=10, h=2048, i=512)
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 8, 32])
+def test_route_triton_qwen3_next_gpu(n):
+    gen = torch.Generator("cuda").manual_seed(n)
+    logits = torch.randn(n, QWEN3_NEXT["e"], generator=gen, device="cuda").bfloat16()  # bf16: real ties
+    want = moe.moe_route_softmax(logits, QWEN3_NEXT["k"], True)
+    with ops.use_backend("triton"):
+        got = moe.moe_route_softmax(logits, QWEN3_NEXT["k"], True)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 8, 32])
+def test_fused_moe_triton_qwen3_next_gpu(n):
+    e, k, h, i = QWEN3_NEXT.values()
+    gen = torch.Generator("cuda").manual_seed(n)
+    x = torch.randn(n, h, generator=gen, device="cuda").bfloat16()
+    w_gate_up, w_down = experts(e, h, i, torch.bfloat16, gen)
+    weights, ids = moe.moe_route_softmax(torch.randn(n, e, generator=gen, device="cuda"), k, True)
+    blend = shared_inputs(n, h, torch.bfloat16, gen)
+    got, want = run_both(moe.fused_moe, x, dict(w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights,
+                                                topk_ids=ids), blend, k, i)
+    scaled_close(got, want, TOL[torch.bfloat16])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 8, 32])
+def test_fused_moe_nvfp4_triton_qwen3_next_gpu(n):
+    e, k, h, i = QWEN3_NEXT.values()
+    gen = torch.Generator("cuda").manual_seed(n)
+    x = torch.randn(n, h, generator=gen, device="cuda").bfloat16()
+    q = nvfp4_experts(e, h, i, gen)
+    weights, ids = moe.moe_route_softmax(torch.randn(n, e, generator=gen, device="cuda"), k, True)
+    blend = shared_inputs(n, h, torch.bfloat16, gen)
+    got, want = run_both(moe.fused_moe_nvfp4, x, dict(**q, topk_weights=weights, topk_ids=ids), blend, k, i)
+    scaled_close(got, want, TOL[torch.bfloat16])
