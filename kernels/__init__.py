@@ -7,6 +7,8 @@ Importing this package defines every op in `mtpfactory.ops`.
 from mtpfactory.kernels.argmax import argmax
 from mtpfactory.kernels.embedding import embedding
 from mtpfactory.kernels.linear import linear
+from mtpfactory.kernels.linear_fp8 import linear_fp8
+from mtpfactory.kernels.linear_nvfp4 import linear_nvfp4
 from mtpfactory.kernels.moe import fused_moe, fused_moe_nvfp4, moe_route_softmax
 from mtpfactory.kernels.paged_attention import paged_decode_attention
 from mtpfactory.kernels.quantize_fp8 import quantize_fp8
@@ -16,5 +18,6 @@ from mtpfactory.kernels.reshape_and_cache_fp8 import reshape_and_cache_fp8
 from mtpfactory.kernels.rms_norm import rms_norm
 from mtpfactory.kernels.rope import rope_neox
 
-__all__ = ["argmax", "embedding", "fused_moe", "fused_moe_nvfp4", "linear", "moe_route_softmax", "paged_decode_attention",
+__all__ = ["argmax", "embedding", "fused_moe", "fused_moe_nvfp4", "linear", "linear_fp8", "linear_nvfp4",
+           "moe_route_softmax", "paged_decode_attention",
            "quantize_fp8", "quantize_nvfp4", "reshape_and_cache", "reshape_and_cache_fp8", "rms_norm", "rope_neox"]

@@ -1,0 +1,162 @@
+"""W8A16 GEMV and small-M GEMM (`linear_fp8`): the Triton provider against the reference.
+
+Tolerance: every E4M3 value is exact in fp32 (and bf16), so kernel and reference sum the same exact
+products x * w8 in fp32 in different orders and multiply by the same row scale: they differ by a few fp32
+roundings, bounded by 1e-5 * sum_k |x| |w8| scale, and then by one rounding of the output dtype, which can
+put the two on adjacent values: 2^-7 (~1e-2) of |y| for bf16, 2^-10 for fp16, ~1e-5 for fp32. A wrong
+element (a K tile dropped, a wrong scale or row) is off by O(sum |x||w|).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtpfactory import ops
+from mtpfactory.errors import ConfigError
+from mtpfactory.kernels.linear import make_plan
+from mtpfactory.kernels.linear_fp8 import _linear_fp8_native, _linear_fp8_supports, linear_fp8, linear_fp8_triton
+from mtpfactory.ops import Provider
+from mtpfactory.quant import quantize_fp8
+
+# Triton 3.6's interpreter converts 1-element arrays to ints the way numpy 1.25+ deprecates, once per op.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+OUT_RTOL = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+SUM_RTOL = 1e-5
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, abs_sum: torch.Tensor) -> None:
+    """|out - ref| <= OUT_RTOL[dtype] * |ref| + SUM_RTOL * abs_sum elementwise; NaN (unwritten) fails."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements not written"
+    o, r = out.double(), ref.double()
+    bad = (o - r).abs() > OUT_RTOL[out.dtype] * r.abs() + SUM_RTOL * abs_sum.double()
+    assert not bad.any(), (f"{int(bad.sum())}/{bad.numel()} elements off, worst {(o - r).abs().max().item():.3g} "
+                           f"at {tuple(bad.nonzero()[0].tolist())}")
+
+
+def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
+    """x [M, K] in `dtype`; a Gaussian weight [N, K] quantized per row (rows of different magnitudes)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen) * torch.exp2(torch.randint(-8, 8, (n, 1), generator=gen).float())
+    weight, scale = quantize_fp8(w)
+    return x.to(device), weight.to(device), scale.to(device)
+
+
+def check(x, weight, scale, **kwargs) -> None:
+    m, n = x.shape[0], weight.shape[0]
+    out = torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device)
+    linear_fp8_triton(x, weight, scale, out=out, **kwargs)
+    abs_sum = x.float().abs() @ (weight.float().abs() * scale[:, None]).T
+    assert_matches(out, _linear_fp8_native(x, weight, scale), abs_sum)
+
+
+def explicit_plans(m: int, n: int, k: int) -> list:
+    """Tiles smaller than the shapes tested (several N tiles and K chunks, the last of each partial) on
+    every path: tl.dot, tl.dot with swapped operands, CUDA-core FMAs (M <= 8), unsplit and split-K over
+    2 or 3 slices (the last one shorter)."""
+    bm_dot = 16 if m <= 16 else 32
+    plans = [make_plan(m, n, k, block_n=16, block_k=16, block_m=bm_dot),
+             make_plan(m, n, k, block_n=32, block_k=32, splits=3, block_m=bm_dot),
+             make_plan(m, n, k, block_n=16, block_k=32, splits=2, block_m=bm_dot, swap_ab=True)]
+    if m <= 8:
+        bm_fma = 1 << (m - 1).bit_length()
+        plans += [make_plan(m, n, k, block_n=8, block_k=16, block_m=bm_fma),
+                  make_plan(m, n, k, block_n=16, block_k=32, splits=3, block_m=bm_fma)]
+    return plans
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 17, 32])
+@pytest.mark.parametrize("n,k", [(1, 16), (7, 48), (33, 80), (130, 48)])
+def test_matches_reference_with_explicit_tiles(dtype, m, n, k):
+    x, weight, scale = make_inputs(m, n, k, dtype, seed=m * 1000 + n)
+    with ops.use_backend("triton"):
+        for plan in explicit_plans(m, n, k):
+            check(x, weight, scale, plan=plan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,n,k", [(1, 7, 1024), (3, 33, 48), (17, 130, 80), (32, 5, 512)])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_matches_reference_with_planned_tiles(dtype, m, n, k, split_k):
+    x, weight, scale = make_inputs(m, n, k, dtype, seed=n + k)
+    with ops.use_backend("triton"):
+        check(x, weight, scale, split_k=split_k)
+
+
+@pytest.mark.parametrize("first,last", [(0, 8), (8, 16), (0, 16)])   # FMA path twice, tl.dot path
+def test_every_e4m3_value_decodes_exactly(first, last):
+    # All 254 finite E4M3 bit patterns (subnormals, both zeros, +-448) as a [16, 16] weight; x = rows of the
+    # identity picks columns, so y[i, n] = w[n, first + i] * scale[n] with no rounding anywhere.
+    bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)   # [254]
+    weight = torch.cat([bits, bits[:2]]).view(16, 16).view(torch.float8_e4m3fn)          # [N=16, K=16]
+    scale = torch.exp2(torch.arange(16.0) - 8)                                           # [16]
+    x = torch.eye(16)[first:last]
+    out = torch.full((last - first, 16), float("nan"))
+    with ops.use_backend("triton"):
+        linear_fp8_triton(x, weight, scale, out=out)
+    assert torch.equal(out, (weight.float() * scale[:, None]).T[first:last])
+
+
+def test_op_dispatch_and_fallback(monkeypatch):
+    calls = []
+    p = linear_fp8.providers["triton"]
+    monkeypatch.setitem(linear_fp8.providers, "triton",
+                        Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
+    x, weight, scale = make_inputs(33, 7, 32, torch.bfloat16)
+    with ops.use_backend("triton"):
+        y = linear_fp8(x[:2], weight, scale)
+        assert calls == [1]
+        assert_matches(y, _linear_fp8_native(x[:2], weight, scale),
+                       x[:2].float().abs() @ (weight.float().abs() * scale[:, None]).T)
+        assert _linear_fp8_supports(x[:32], weight, scale)
+        assert not _linear_fp8_supports(x, weight, scale)                           # M = 33
+        assert not _linear_fp8_supports(x[:1], weight, scale.double())              # scale not fp32
+        assert not _linear_fp8_supports(x[:1], weight, scale[:6])                   # scale not [N]
+        assert not _linear_fp8_supports(x[:1], weight.view(torch.uint8), scale)     # not float8_e4m3fn
+        with pytest.raises(ConfigError, match="linear_fp8"):
+            linear_fp8(x, weight, scale)
+    with ops.use_backend("auto"):
+        y = linear_fp8(x, weight, scale)
+    assert calls == [1] and torch.equal(y, _linear_fp8_native(x, weight, scale))
+
+
+# --- compiled (GPU) ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 8, 32])
+@pytest.mark.parametrize("n,k", [(4096, 2048), (2048, 4096)])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_gpu_matches_reference(dtype, m, n, k, split_k):
+    x, weight, scale = make_inputs(m, n, k, dtype, seed=m, device="cuda")
+    check(x, weight, scale, split_k=split_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_gpu_every_path(m):
+    x, weight, scale = make_inputs(m, 4096, 2048, torch.bfloat16, seed=m, device="cuda")
+    for plan in explicit_plans(m, 4096, 2048):
+        check(x, weight, scale, plan=plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_auto_backend_picks_triton(monkeypatch):
+    calls = []
+    p = linear_fp8.providers["triton"]
+    monkeypatch.setitem(linear_fp8.providers, "triton",
+                        Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
+    x, weight, scale = make_inputs(4, 4096, 2048, torch.bfloat16, device="cuda")
+    with ops.use_backend("auto"):
+        y = linear_fp8(x, weight, scale)
+    assert calls == [1]
+    assert_matches(y, _linear_fp8_native(x, weight, scale),
+                   x.float().abs() @ (weight.float().abs() * scale[:, None]).T)

@@ -1,0 +1,203 @@
+"""W4A16 NVFP4 GEMV and small-M GEMM (`linear_nvfp4`): the Triton provider against the reference.
+
+Tolerance: E2M1 value * E4M3 scale is exact in fp32 (at most 6 significant bits), so kernel and reference
+sum the same exact products in fp32 in different orders; the reference folds `weight_scale_2` into each
+element (one more fp32 rounding each) where the kernel multiplies the sum once. They differ by a few fp32
+roundings, bounded by 1e-5 * sum_k |x| |w|, then by one rounding of the output dtype, which can put the two
+on adjacent values: 2^-7 (~1e-2) of |y| for bf16, 2^-10 for fp16, ~1e-5 for fp32. A wrong element (a
+nibble swapped, a scale on the wrong block, a K tile dropped) is off by O(sum |x||w|).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtpfactory import ops
+from mtpfactory.errors import ConfigError
+from mtpfactory.kernels.linear import make_plan
+from mtpfactory.kernels.linear_nvfp4 import (
+    _linear_nvfp4_native,
+    _linear_nvfp4_supports,
+    linear_nvfp4,
+    linear_nvfp4_triton,
+)
+from mtpfactory.ops import Provider
+from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
+
+# Triton 3.6's interpreter converts 1-element arrays to ints the way numpy 1.25+ deprecates, once per op.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+OUT_RTOL = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+SUM_RTOL = 1e-5
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, abs_sum: torch.Tensor) -> None:
+    """|out - ref| <= OUT_RTOL[dtype] * |ref| + SUM_RTOL * abs_sum elementwise; NaN (unwritten) fails."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements not written"
+    o, r = out.double(), ref.double()
+    bad = (o - r).abs() > OUT_RTOL[out.dtype] * r.abs() + SUM_RTOL * abs_sum.double()
+    assert not bad.any(), (f"{int(bad.sum())}/{bad.numel()} elements off, worst {(o - r).abs().max().item():.3g} "
+                           f"at {tuple(bad.nonzero()[0].tolist())}")
+
+
+def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
+    """x [M, K] in `dtype`; a Gaussian weight [N, K] whose 16-blocks span 2^12 in magnitude (some E4M3
+    scales subnormal), about one block in eight all zero, quantized to NVFP4."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k // 16, 16, generator=gen)
+    w = w * torch.exp2(-12 * torch.rand(n, k // 16, 1, generator=gen))
+    w = (w * (torch.rand(n, k // 16, 1, generator=gen) > 0.125)).view(n, k)
+    return (x.to(device), *(t.to(device) for t in quantize_nvfp4(w)))
+
+
+def check(x, weight, scale, scale_2, **kwargs) -> None:
+    m, n = x.shape[0], weight.shape[0]
+    out = torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device)
+    linear_nvfp4_triton(x, weight, scale, scale_2, out=out, **kwargs)
+    abs_sum = x.float().abs() @ dequantize_nvfp4(weight, scale, scale_2).abs().T
+    assert_matches(out, _linear_nvfp4_native(x, weight, scale, scale_2), abs_sum)
+
+
+def explicit_plans(m: int, n: int, k: int) -> list:
+    """Tiles smaller than the shapes tested (several N tiles and K chunks, the last of each partial) on
+    every path: tl.dot, tl.dot with swapped operands, CUDA-core FMAs (M <= 8), unsplit and split-K over
+    2 or 3 slices (the last one shorter)."""
+    bm_dot = 16 if m <= 16 else 32
+    plans = [make_plan(m, n, k, block_n=16, block_k=32, block_m=bm_dot),
+             make_plan(m, n, k, block_n=32, block_k=32, splits=3, block_m=bm_dot),
+             make_plan(m, n, k, block_n=16, block_k=32, splits=2, block_m=bm_dot, swap_ab=True)]
+    if m <= 8:
+        bm_fma = 1 << (m - 1).bit_length()
+        plans += [make_plan(m, n, k, block_n=8, block_k=16, block_m=bm_fma),
+                  make_plan(m, n, k, block_n=16, block_k=32, splits=3, block_m=bm_fma)]
+    return plans
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 17, 32])
+@pytest.mark.parametrize("n,k", [(1, 16), (7, 48), (33, 80), (130, 48)])
+def test_matches_reference_with_explicit_tiles(dtype, m, n, k):
+    x, *w = make_inputs(m, n, k, dtype, seed=m * 1000 + n)
+    with ops.use_backend("triton"):
+        for plan in explicit_plans(m, n, k):
+            check(x, *w, plan=plan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,n,k", [(1, 7, 1024), (3, 33, 48), (17, 130, 80), (32, 5, 512)])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_matches_reference_with_planned_tiles(dtype, m, n, k, split_k):
+    x, *w = make_inputs(m, n, k, dtype, seed=n + k)
+    with ops.use_backend("triton"):
+        check(x, *w, split_k=split_k)
+
+
+def _all_codes_and_scales():
+    """[N=16, K=256]: every byte value (all 16 x 16 code pairs) 8 times, and as the 256 block scales all 254
+    finite E4M3 patterns (subnormals, zeros and negatives included) plus two more, shuffled."""
+    gen = torch.Generator().manual_seed(7)
+    weight = (torch.randperm(2048, generator=gen) % 256).to(torch.uint8).view(16, 128)  # [16, 128] bytes
+    bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)   # [254]
+    scale = torch.cat([bits, bits[:2]])[torch.randperm(256, generator=gen)].view(16, 16)
+    return weight, scale.view(torch.float8_e4m3fn), torch.tensor(2.0**-10)
+
+
+@pytest.mark.parametrize("m", [1, 17])
+def test_every_code_and_scale_decodes(m):
+    weight, scale, scale_2 = _all_codes_and_scales()
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    with ops.use_backend("triton"):
+        check(x, weight, scale, scale_2, plan=make_plan(m, 16, 256, block_n=8, block_k=64))
+
+
+@pytest.mark.parametrize("first,last", [(0, 8), (8, 16), (0, 16)])   # FMA path twice, tl.dot path
+def test_nibble_order_exact(first, last):
+    # x = rows of the identity picks single columns: y[i, n] = w[n, first + i] exactly, so a swapped
+    # nibble, a shifted scale block or a wrong sign shows as an exact mismatch.
+    weight, scale, scale_2 = _all_codes_and_scales()
+    w = dequantize_nvfp4(weight, scale, scale_2)                                        # [16, 256]
+    x = torch.eye(256)[first:last]
+    out = torch.full((last - first, 16), float("nan"))
+    with ops.use_backend("triton"):
+        linear_nvfp4_triton(x, weight, scale, scale_2, out=out)
+    assert torch.equal(out, w.T[first:last])
+
+
+def test_op_dispatch_and_fallback(monkeypatch):
+    calls = []
+    p = linear_nvfp4.providers["triton"]
+    monkeypatch.setitem(linear_nvfp4.providers, "triton",
+                        Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
+    x, weight, scale, scale_2 = make_inputs(33, 7, 32, torch.bfloat16)
+    with ops.use_backend("triton"):
+        y = linear_nvfp4(x[:2], weight, scale, scale_2)
+        assert calls == [1]
+        assert_matches(y, _linear_nvfp4_native(x[:2], weight, scale, scale_2),
+                       x[:2].float().abs() @ dequantize_nvfp4(weight, scale, scale_2).abs().T)
+        assert _linear_nvfp4_supports(x[:32], weight, scale, scale_2)
+        assert not _linear_nvfp4_supports(x, weight, scale, scale_2)                     # M = 33
+        assert not _linear_nvfp4_supports(x[:1, :16], weight[:, :8], scale, scale_2)    # scale not [N, K/16]
+        assert not _linear_nvfp4_supports(x[:1], weight, scale.float(), scale_2)        # scale not E4M3
+        assert not _linear_nvfp4_supports(x[:1, :24], weight[:, :12].contiguous(), scale, scale_2)  # K = 24
+        with pytest.raises(ConfigError, match="linear_nvfp4"):
+            linear_nvfp4(x, weight, scale, scale_2)
+    with ops.use_backend("auto"):
+        y = linear_nvfp4(x, weight, scale, scale_2)
+    assert calls == [1] and torch.equal(y, _linear_nvfp4_native(x, weight, scale, scale_2))
+
+
+def test_plan_block_k_must_hold_whole_blocks():
+    x, *w = make_inputs(1, 7, 32, torch.float32)
+    with ops.use_backend("triton"), pytest.raises(ValueError, match="multiple of 16"):
+        linear_nvfp4_triton(x, *w, plan=make_plan(1, 7, 32, block_n=8, block_k=8))
+
+
+# --- compiled (GPU) ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 8, 32])
+@pytest.mark.parametrize("n,k", [(4096, 2048), (2048, 4096)])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_gpu_matches_reference(dtype, m, n, k, split_k):
+    x, *w = make_inputs(m, n, k, dtype, seed=m, device="cuda")
+    check(x, *w, split_k=split_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_gpu_every_path(m):
+    x, *w = make_inputs(m, 4096, 2048, torch.bfloat16, seed=m, device="cuda")
+    for plan in explicit_plans(m, 4096, 2048):
+        check(x, *w, plan=plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_every_code_and_scale_decodes():
+    weight, scale, scale_2 = (t.cuda() for t in _all_codes_and_scales())
+    for m in (1, 16):
+        x = torch.eye(256, device="cuda")[:m].to(torch.bfloat16)
+        out = linear_nvfp4_triton(x, weight, scale, scale_2)
+        assert torch.equal(out, dequantize_nvfp4(weight, scale, scale_2).T[:m].to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_auto_backend_picks_triton(monkeypatch):
+    calls = []
+    p = linear_nvfp4.providers["triton"]
+    monkeypatch.setitem(linear_nvfp4.providers, "triton",
+                        Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
+    x, weight, scale, scale_2 = make_inputs(4, 4096, 2048, torch.bfloat16, device="cuda")
+    with ops.use_backend("auto"):
+        y = linear_nvfp4(x, weight, scale, scale_2)
+    assert calls == [1]
+    assert_matches(y, _linear_nvfp4_native(x, weight, scale, scale_2),
+                   x.float().abs() @ dequantize_nvfp4(weight, scale, scale_2).abs().T)
