@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from omegaconf import DictConfig
 
-from mtpfactory.components.linear import Linear
+from mtpfactory.components.linear import Linear, make_linear
 from mtpfactory.errors import ConfigError
 from mtpfactory.weights.source import TensorSource
 
@@ -20,6 +20,9 @@ class BuildContext:
     weights: TensorSource
     dtype: torch.dtype
     device: torch.device
+    #: how each projection role ("fc", "q", "k", "v", "o", "ffn", "experts", "lm_head", ...) is stored:
+    #: "unq" (runtime dtype), "fp8" (W8A16 per row) or "nvfp4" (W4A16); roles not listed are "unq"
+    formats: dict[str, str] = field(default_factory=dict)
 
     @property
     def model(self) -> DictConfig:
@@ -29,9 +32,13 @@ class BuildContext:
         """A checked weight in the runtime dtype on the runtime device."""
         return self.weights.take(name, shape, self.dtype, self.device)
 
-    def linear(self, name: str, out_features: int, in_features: int) -> Linear:
-        """The projection `name` ([out, in], checkpoint name without `.weight`) as stored under `quant`."""
-        return Linear(self.tensor(name + ".weight", out_features, in_features))
+    def fmt(self, role: str) -> str:
+        return self.formats.get(role, "unq")
+
+    def linear(self, name: str, out_features: int, in_features: int, role: str) -> Linear:
+        """The projection `name` ([out, in], checkpoint name without `.weight`), stored as its `role` says."""
+        weight = self.tensor(name + ".weight", out_features, in_features)
+        return make_linear(weight, self.fmt(role), self.dtype, name, self.cfg.levers.gemv_split_work)
 
 
 def runtime_dtype(cfg: DictConfig) -> torch.dtype:

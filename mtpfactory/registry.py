@@ -29,7 +29,7 @@ _BUILTIN: dict[str, dict[str, str]] = {
     },
     "ffn": {
         "swiglu": "mtpfactory.components.ffn:build_swiglu",
-        "bf16_moe": "mtpfactory.components.ffn:build_bf16_moe",
+        "moe": "mtpfactory.components.ffn:build_moe",
     },
     "attention": {"gated_gqa": "mtpfactory.components.attention:build_gated_gqa"},
     "lm_head": {"lm_head": "mtpfactory.components.lm_head:build_lm_head"},

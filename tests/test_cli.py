@@ -11,7 +11,7 @@ def cli(*args, cwd):
                           timeout=180)
 
 
-@pytest.mark.parametrize("head, ffn", [("dense", "ffn=swiglu, 0 experts"), ("bf16_moe", "ffn=bf16_moe, 8 experts")])
+@pytest.mark.parametrize("head, ffn", [("dense", "ffn=swiglu, 0 experts"), ("bf16_moe", "ffn=moe, 8 experts")])
 def test_run_builds_prefills_and_drafts(head, ffn, tmp_path):
     run = cli(f"+head={head}", cwd=tmp_path)
     assert run.returncode == 0, run.stderr

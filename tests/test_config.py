@@ -10,7 +10,7 @@ from mtpfactory.errors import ConfigError
 def test_head_implies_its_model_preset_and_quant():
     assert mtpfactory.compose("+head=dense").model.intermediate_size == 128
     moe = mtpfactory.compose("+head=bf16_moe")
-    assert (moe.model.num_experts, moe.quant.mode, moe.head.ffn) == (8, "bf16", "bf16_moe")
+    assert (moe.model.num_experts, moe.quant.mode, moe.head.ffn) == (8, "bf16", "moe")
 
 
 def test_command_line_model_wins_over_the_head():
@@ -21,9 +21,11 @@ def test_command_line_model_wins_over_the_head():
 def test_levers_read_the_environment_and_the_command_line_wins(monkeypatch):
     monkeypatch.setenv("MTPF_DRAFTER_PREFILL", "0")
     monkeypatch.setenv("MTPF_MTP_VOCAB_SIZE", "100")
-    assert mtpfactory.compose("+head=dense").levers == {"mtp_vocab_size": 100, "drafter_prefill": False}
+    monkeypatch.setenv("MTPF_EXPERTS_NVFP4", "yes")
+    levers = mtpfactory.compose("+head=dense").levers
+    assert (levers.mtp_vocab_size, levers.drafter_prefill, levers.experts_nvfp4, levers.kv_exact) == (100, False, True, False)
     cfg = mtpfactory.compose("+head=dense", "levers.drafter_prefill=true", "levers.mtp_vocab_size=7")
-    assert cfg.levers == {"mtp_vocab_size": 7, "drafter_prefill": True}
+    assert (cfg.levers.mtp_vocab_size, cfg.levers.drafter_prefill) == (7, True)
 
 
 def test_malformed_environment_value_names_the_variable(monkeypatch):
@@ -38,7 +40,7 @@ def test_schema_types_are_checked_at_compose():
 
 
 @pytest.mark.parametrize("override, field", [
-    ("runtime.backend=cuda_graphs", "runtime.backend"), ("kv=fp8", "kv"), ("runtime.dtype=int8", "runtime.dtype"),
+    ("runtime.backend=cuda_graphs", "runtime.backend"), ("kv=int4", "kv"), ("runtime.dtype=int8", "runtime.dtype"),
     ("runtime.max_seq_len=100000", "runtime.max_seq_len"), ("runtime.block_size=0", "runtime.block_size"),
 ])
 def test_cross_field_rules_are_checked_when_the_head_is_built(override, field):

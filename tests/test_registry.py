@@ -33,7 +33,7 @@ def build_half_swiglu(ctx, prefix):
 
 
 def test_builtins_are_listed_and_lazily_found():
-    assert {"swiglu", "bf16_moe"} <= set(registry.names("ffn"))
+    assert {"swiglu", "moe"} <= set(registry.names("ffn"))
     assert registry.get("ffn", "swiglu") is build_swiglu
     assert mtpfactory.list_heads() == ["bf16_moe", "dense"]
 

@@ -37,18 +37,23 @@ class GatedGQAAttention(nn.Module):
     def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the K/V rows of x (already input-normed, [N, H]) at `slots`, without attending."""
         k, v = self._kv(x, positions)
-        K.reshape_and_cache(k, v, self.cache.k, self.cache.v, slots)
+        c = self.cache
+        if c.k.dtype == torch.float8_e4m3fn:
+            K.reshape_and_cache_fp8(k, v, c.k, c.v, slots, c.k_scale, c.v_scale)
+        else:
+            K.reshape_and_cache(k, v, c.k, c.v, slots)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
         """One row per sequence: write its K/V at `slots`, attend over its context; [B, H] -> [B, H]."""
         b = x.shape[0]
         qg = self.q_proj(x).view(b, self.num_heads, 2 * self.head_dim)
-        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]  # [B, heads, D] each
-        q = K.rope_neox(self.q_norm(q), positions, self.inv_freq)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]  # [B, heads, D] each (strided views)
+        q = K.rope_neox(self.q_norm(q.contiguous()), positions, self.inv_freq)
         self.write_kv(x, positions, slots)
-        a = K.paged_decode_attention(q, self.cache.k, self.cache.v, block_tables, context_lens, self.scale,
-                                     gate.contiguous())
+        c = self.cache
+        a = K.paged_decode_attention(q, c.k, c.v, block_tables, context_lens, self.scale, gate,
+                                     k_scale=c.k_scale, v_scale=c.v_scale)
         return self.o_proj(a.reshape(b, self.num_heads * self.head_dim))
 
 
@@ -57,7 +62,7 @@ def build_gated_gqa(ctx, prefix: str, *, q_norm: nn.Module, k_norm: nn.Module,
     m = ctx.model
     h, nq, nkv, hd = m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim
     return GatedGQAAttention(
-        ctx.linear(prefix + "q_proj", nq * hd * 2, h), ctx.linear(prefix + "k_proj", nkv * hd, h),
-        ctx.linear(prefix + "v_proj", nkv * hd, h), ctx.linear(prefix + "o_proj", h, nq * hd),
+        ctx.linear(prefix + "q_proj", nq * hd * 2, h, "q"), ctx.linear(prefix + "k_proj", nkv * hd, h, "k"),
+        ctx.linear(prefix + "v_proj", nkv * hd, h, "v"), ctx.linear(prefix + "o_proj", h, nq * hd, "o"),
         q_norm, k_norm, num_heads=nq, num_kv_heads=nkv, head_dim=hd,
         rotary_dim=int(hd * m.partial_rotary_factor), rope_theta=m.rope_theta, cache=cache)

@@ -30,18 +30,21 @@ def drafter_pool_blocks(max_seq_len: int, block_size: int, max_seqs: int, main_k
 @dataclass(frozen=True)
 class PoolSpec:
     """The shape of a drafter's KV pool: `num_blocks` blocks of `block_size` tokens, K and V each
-    [kv_heads, head_dim] per token."""
+    [kv_heads, head_dim] per token; with `token_scales` (FP8 KV, `levers.kv_exact`) also an fp32 scale
+    per token and KV head for K and for V, [num_blocks, block_size, kv_heads]."""
 
     num_blocks: int
     block_size: int
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    token_scales: bool = False
 
     @property
     def nbytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_blocks * self.block_size * self.kv_heads * self.head_dim * elem
+        tokens = self.num_blocks * self.block_size * self.kv_heads
+        scales = 4 if self.token_scales else 0
+        return 2 * tokens * (self.head_dim * self.dtype.itemsize + scales)
 
 
 @dataclass
@@ -66,6 +69,10 @@ class PagedKVCache:
         shape = (spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if spec.token_scales:
+            self.k_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
         self._free = list(range(spec.num_blocks - 1, -1, -1))  # a stack: lowest block first
         self.seqs: dict[int, SeqState] = {}
 

@@ -1,4 +1,8 @@
-"""A projection `y = x @ W^T` over a stored weight."""
+"""Projections `y = x @ W^T` over a stored weight: unquantized, FP8 per row (W8A16) or NVFP4 (W4A16).
+
+Each keeps the checkpoint name it was built from, and can give back the weight it computes with
+(`dequantize()`), so a quantized head can be checked against an unquantized head on those weights.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,18 @@ import torch
 from torch import nn
 
 from mtpfactory import kernels as K
+from mtpfactory.quant import dequantize_fp8, dequantize_nvfp4
+
+FORMATS = ("unq", "fp8", "nvfp4")
 
 
 class Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor) -> None:
+    fmt = "unq"
+
+    def __init__(self, weight: torch.Tensor, name: str = "", split_work: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in], runtime dtype
+        self.name, self.split_work = name, split_work
 
     @property
     def out_features(self) -> int:
@@ -19,7 +29,60 @@ class Linear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        return sum(t.numel() * t.element_size() for t in self.parameters())
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-        return K.linear(x, self.weight)
+        return K.linear(x, self.weight, split_work=self.split_work)
+
+
+class LinearFP8(Linear):
+    """W8A16: float8_e4m3fn weight [out, in] with an fp32 scale per row."""
+
+    fmt = "fp8"
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, name: str = "",
+                 split_work: bool = True) -> None:
+        super().__init__(weight, name, split_work)
+        self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)  # [out] fp32
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_fp8(self.weight.data, self.weight_scale.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return K.linear_fp8(x, self.weight, self.weight_scale, split_work=self.split_work)
+
+
+class LinearNVFP4(Linear):
+    """W4A16: NVFP4 weight in the ModelOpt layout (packed [out, in/2], e4m3 scales [out, in/16], fp32 global)."""
+
+    fmt = "nvfp4"
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                 name: str = "", split_work: bool = True) -> None:
+        super().__init__(weight, name, split_work)
+        self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+        self.weight_scale_2 = nn.Parameter(weight_scale_2, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_nvfp4(self.weight.data, self.weight_scale.data, self.weight_scale_2.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return K.linear_nvfp4(x, self.weight, self.weight_scale, self.weight_scale_2,
+                              split_work=self.split_work)
+
+
+def make_linear(weight: torch.Tensor, fmt: str, dtype: torch.dtype, name: str = "",
+                split_work: bool = True) -> Linear:
+    """Store `weight` ([out, in], as loaded) in `fmt`: unquantized in `dtype`, or quantized from it."""
+    if fmt == "fp8":
+        return LinearFP8(*K.quantize_fp8(weight), name=name, split_work=split_work)
+    if fmt == "nvfp4":
+        return LinearNVFP4(*K.quantize_nvfp4(weight), name=name, split_work=split_work)
+    return Linear(weight.to(dtype), name, split_work)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtpfactory.components.linear import Linear
+from mtpfactory.components.linear import Linear, make_linear
 
 
 class LMHead(nn.Module):
@@ -35,4 +35,6 @@ def build_lm_head(ctx) -> LMHead:
     v = draft_vocab(m.vocab_size, ctx.cfg.levers.mtp_vocab_size)
     name = "model.embed_tokens.weight" if m.tie_word_embeddings else "lm_head.weight"
     full = ctx.tensor(name, m.vocab_size, m.hidden_size)
-    return LMHead(Linear(full[:v].clone()), m.vocab_size)
+    proj = make_linear(full[:v].clone(), ctx.fmt("lm_head"), ctx.dtype, name.removesuffix(".weight"),
+                       ctx.cfg.levers.gemv_split_work)
+    return LMHead(proj, m.vocab_size)

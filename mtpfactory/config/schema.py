@@ -51,12 +51,13 @@ class HeadConfig:
 
 @dataclass
 class QuantConfig:
-    mode: str = "bf16"  #: bf16 = unquantized, weights stored in runtime.dtype
+    mode: str = "bf16"  #: bf16 = unquantized (runtime.dtype); fp8 = W8A16 per row; nvfp4 = W4A16
+    lm_head: str = "auto"  #: auto = follow `mode`; or bf16 (unquantized), fp8, nvfp4
 
 
 @dataclass
 class KVConfig:
-    dtype: str = "auto"  #: auto (the head's default: runtime.dtype), bf16, fp32
+    dtype: str = "auto"  #: auto (the head's default: runtime.dtype), bf16, fp8, fp32
 
 
 @dataclass
@@ -65,6 +66,9 @@ class LeversConfig:
 
     mtp_vocab_size: int = 0  #: draft vocab: 0 = full, else min(n, vocab)
     drafter_prefill: bool = True  #: prefill rows through the batched path (with its scratch)
+    experts_nvfp4: bool = False  #: store bf16_moe's experts NVFP4 (W4A16); refused on any other head
+    kv_exact: bool = False  #: FP8 KV with per-token scales instead of unit scales (needs kv=fp8)
+    gemv_split_work: bool = True  #: split-K GEMV variants for tall, skinny shapes (same results)
 
 
 @dataclass

@@ -30,7 +30,15 @@ from mtpfactory.heads.spec import HeadBuilder
 log = logging.getLogger(__name__)
 
 MTP, LAYER = "mtp.", "mtp.layers.0."
-KV_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
+# How each projection role is stored, by head and quant (DESIGN 2.2); roles not listed are unquantized, and
+# a quant not listed for a head is refused. The LM head follows `quant.lm_head` (auto: the quant).
+FORMATS = {
+    "dense": {"bf16": {}, "fp8": dict.fromkeys(("fc", "q", "o", "k", "v", "ffn"), "fp8"),
+              "nvfp4": dict.fromkeys(("q", "o", "ffn"), "nvfp4")},
+    "bf16_moe": {"bf16": {}},
+}
+LM_HEAD_FORMATS = {"bf16": "unq", "fp8": "fp8", "nvfp4": "nvfp4"}
 FFN_FIELDS = {
     "dense": ("intermediate_size",),
     "moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
@@ -76,7 +84,18 @@ def kv_dtype(cfg: DictConfig) -> torch.dtype:
 def pool_spec(cfg: DictConfig) -> PoolSpec:
     r, m = cfg.runtime, cfg.model
     blocks = drafter_pool_blocks(r.max_seq_len, r.block_size, r.max_seqs, r.main_kv_blocks)
-    return PoolSpec(blocks, r.block_size, m.num_key_value_heads, m.head_dim, kv_dtype(cfg))
+    return PoolSpec(blocks, r.block_size, m.num_key_value_heads, m.head_dim, kv_dtype(cfg),
+                    token_scales=cfg.levers.kv_exact)
+
+
+def formats(cfg: DictConfig) -> dict[str, str]:
+    """How each projection role of the head is stored under its quant and levers (DESIGN 2.2)."""
+    q = cfg.quant
+    f = dict(FORMATS[cfg.head.name][q.mode])
+    f["lm_head"] = LM_HEAD_FORMATS[q.mode if q.lm_head == "auto" else q.lm_head]
+    if cfg.levers.experts_nvfp4:
+        f["experts"] = "nvfp4"
+    return f
 
 
 def check_config(cfg: DictConfig, form: str) -> None:
@@ -85,8 +104,21 @@ def check_config(cfg: DictConfig, form: str) -> None:
     if m.family != "qwen3_next":
         raise ConfigError("model.family", m.family, f"head {name} builds Qwen-style MTP heads (qwen3_next)",
                           "choose a qwen3_next model preset, e.g. model=qwen3_next_tiny")
-    if cfg.quant.mode != "bf16":
-        raise ConfigError("quant", cfg.quant.mode, f"head {name} allows quant=bf16", "use quant=bf16")
+    allowed = FORMATS[name]
+    if cfg.quant.mode not in allowed:
+        raise ConfigError("quant", cfg.quant.mode, f"head {name} allows quant={'|'.join(allowed)}",
+                          "use quant=bf16; for NVFP4 experts on this head add levers.experts_nvfp4=true"
+                          if name == "bf16_moe" else f"use quant={'|'.join(allowed)}")
+    if cfg.quant.lm_head != "auto" and cfg.quant.lm_head not in LM_HEAD_FORMATS:
+        raise ConfigError("quant.lm_head", cfg.quant.lm_head, f"allowed: auto, {', '.join(LM_HEAD_FORMATS)}",
+                          "use quant.lm_head=auto to follow quant")
+    if cfg.levers.experts_nvfp4 and (name != "bf16_moe" or cfg.quant.mode != "bf16"):
+        raise ConfigError("levers.experts_nvfp4", True, f"needs a BF16 MoE head on BF16 experts (this head: {name}, "
+                          f"quant={cfg.quant.mode}, dense FFN {form == 'dense'})",
+                          "drop the lever, or use +head=bf16_moe quant=bf16")
+    if cfg.levers.kv_exact and cfg.kv.dtype != "fp8":
+        raise ConfigError("levers.kv_exact", True, f"per-token KV scales need kv=fp8 (this run: kv={cfg.kv.dtype})",
+                          "add kv=fp8, or drop the lever")
     lacking = [f for f in FFN_FIELDS[form] if m.get(f) is None]
     if lacking:
         preset = "qwen3_next_tiny" if form == "moe" else "qwen3_5_dense_tiny"
@@ -123,6 +155,11 @@ def check_ffn_form(ctx: BuildContext, form: str) -> None:
     dense = w.has(LAYER + "mlp.gate_proj.weight")
     moe = w.has(LAYER + "mlp.gate.weight")
     fp8 = w.has(LAYER + "mlp.experts.0.gate_proj.weight_scale_inv")
+    if fp8:
+        raise WeightsError("head", name, f"head {name} (quant={ctx.cfg.quant.mode}) reads BF16 experts, but the "
+                           f"weights carry: dense FFN {dense}, MoE router {moe}, FP8 experts {fp8}"
+                           + (" (levers.experts_nvfp4 needs BF16 experts)" if ctx.cfg.levers.experts_nvfp4 else ""),
+                           "use a BF16 checkpoint of the model")
     if (form == "dense" and dense) or (form == "moe" and moe):
         return
     other = "bf16_moe" if form == "dense" else "dense"
@@ -134,6 +171,7 @@ def check_ffn_form(ctx: BuildContext, form: str) -> None:
 def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
     cfg, m = ctx.cfg, ctx.model
     check_ffn_form(ctx, form)
+    ctx.formats = formats(cfg)
     h, nq, hd, eps = m.hidden_size, m.num_attention_heads, m.head_dim, m.rms_norm_eps
     norm = registry.get("norm", cfg.head.norm)
     spec = pool_spec(cfg)
@@ -147,16 +185,20 @@ def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
     scratch = (PrefillScratch(chunk, torch.empty(chunk, 2 * h, dtype=ctx.dtype, device=ctx.device))
                if cfg.levers.drafter_prefill else None)
     experts = getattr(ffn, "num_experts", 0)
-    summary = (f"MTP head {cfg.head.name}: quant={cfg.quant.mode}, fc=[{h},{2 * h}], attn Q=[{nq * hd * 2},{h}], "
+    quant = cfg.quant.mode + (" (weight-only NVFP4: q, o, dense FFN)" if form == "dense" and cfg.quant.mode == "nvfp4"
+                              else "")
+    if experts and ctx.fmt("experts") != "unq":
+        quant += f", experts {ctx.fmt('experts')}"
+    kv = str(spec.dtype).removeprefix("torch.") + (" per-token scales" if spec.token_scales else "")
+    summary = (f"MTP head {cfg.head.name}: quant={quant}, fc=[{h},{2 * h}], attn Q=[{nq * hd * 2},{h}], "
                f"ffn={cfg.head.ffn}, {experts} experts, vocab={lm_head.draft_vocab}/{m.vocab_size} "
-               f"(LM head {lm_head.nbytes / 2**20:.1f} MB), kv={str(spec.dtype).removeprefix('torch.')}, "
-               f"pool={spec.num_blocks} blocks")
+               f"(LM head {ctx.fmt('lm_head')} {lm_head.nbytes / 2**20:.1f} MB), kv={kv}, pool={spec.num_blocks} blocks")
     log.info(summary)
     return QwenMTPHead(
         embed=ctx.tensor("model.embed_tokens.weight", m.vocab_size, h),
         norm_embedding=norm(ctx, MTP + "pre_fc_norm_embedding.weight", h, eps),
         norm_hidden=norm(ctx, MTP + "pre_fc_norm_hidden.weight", h, eps),
-        fc=ctx.linear(MTP + "fc", h, 2 * h),
+        fc=ctx.linear(MTP + "fc", h, 2 * h, "fc"),
         input_layernorm=norm(ctx, LAYER + "input_layernorm.weight", h, eps), attention=attention,
         post_attention_layernorm=norm(ctx, LAYER + "post_attention_layernorm.weight", h, eps), ffn=ffn,
         norm=norm(ctx, MTP + "norm.weight", h, eps), lm_head=lm_head,

@@ -44,6 +44,9 @@ class TensorSource:
         if tuple(t.shape) != tuple(shape):
             raise WeightsError(f"{key}.shape", tuple(t.shape), f"expected {tuple(shape)}",
                                "check that the model preset matches the checkpoint's config.json")
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise WeightsError(key, str(t.dtype), "stored FP8 (a block-quantized checkpoint) where this head reads "
+                               "unquantized weights", "use the BF16 release of the checkpoint")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise WeightsError(key, f"{int((~torch.isfinite(t)).sum())} NaN/Inf values",
                                "weights must be finite", "the checkpoint is damaged: re-download or re-export it")

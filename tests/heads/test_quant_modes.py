@@ -1,0 +1,134 @@
+"""Quant modes of the Qwen-style heads (DESIGN 2.2): each quantized head equals an unquantized head built
+on its dequantized weights, through the native and the Triton path; against the unquantized head on the
+same synthetic weights its error stays within the format's budget; the rules refuse what the table
+does not allow."""
+
+import pytest
+import torch
+
+import mtpfactory
+from mtpfactory.components.ffn import ExpertsNVFP4
+from mtpfactory.components.linear import Linear
+from mtpfactory.errors import ConfigError
+from mtpfactory.weights.synthetic import qwen_mtp_weights
+
+CPU = ("runtime.device=cpu", "runtime.max_seq_len=256", "runtime.max_seqs=2")
+# (head, overrides): every quantized combination the table allows for these heads
+QUANTIZED = {
+    "dense_fp8": ("dense", ("quant=fp8",)),
+    "dense_nvfp4": ("dense", ("quant=nvfp4",)),
+    "dense_bf16_lm_fp8": ("dense", ("quant=bf16", "quant.lm_head=fp8")),
+    "dense_fp8_lm_bf16": ("dense", ("quant=fp8", "quant.lm_head=bf16")),
+    "moe_experts_nvfp4": ("bf16_moe", ("levers.experts_nvfp4=true",)),
+    "moe_lm_nvfp4": ("bf16_moe", ("quant.lm_head=nvfp4",)),
+}
+
+
+def build(head, *overrides, weights=None):
+    return mtpfactory.build_head(mtpfactory.compose(f"+head={head}", *CPU, *overrides), weights)
+
+
+def synthetic(head):
+    cfg = mtpfactory.compose(f"+head={head}")
+    return qwen_mtp_weights(cfg.model, "dense" if head == "dense" else "moe", seed=0)
+
+
+def dequantized_weights(head, quantized):
+    """The synthetic checkpoint with every quantized tensor replaced by what the head computes with."""
+    w = dict(synthetic(head))
+    for m in quantized.modules():
+        if isinstance(m, Linear) and m.fmt != "unq":
+            w[m.name + ".weight"] = m.dequantize()
+        if isinstance(m, ExpertsNVFP4):
+            w = {k: v for k, v in w.items() if ".mlp.experts." not in k}
+            w["mtp.layers.0.mlp.experts.gate_up_proj"], w["mtp.layers.0.mlp.experts.down_proj"] = m.dequantize()
+    return w
+
+
+def run(head, rows=20, seed=0):
+    """Prefill one sequence of `rows` rows, then step it twice; returns the logits of both steps."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, head.vocab_size, (rows + 2,), generator=g)
+    hidden = torch.randn(rows + 2, head.hidden_size, generator=g).to(head.dtype)
+    head.prefill(0, tokens[:rows], hidden[:rows], torch.arange(rows))
+    out = [head.step(torch.tensor([0]), tokens[r:r + 1], hidden[r:r + 1], torch.tensor([r]))[0]
+           for r in (rows, rows + 1)]
+    return torch.cat(out).float()
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("case", list(QUANTIZED))
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_quantized_head_equals_unquantized_head_on_its_dequantized_weights(case, dtype, tol):
+    head, overrides = QUANTIZED[case]
+    q = build(head, *overrides, f"runtime.dtype={dtype}")
+    u = build(head, f"runtime.dtype={dtype}", weights=dequantized_weights(head, q))
+    # float32: the same math on the same numbers up to summation order (measured ~1e-6); bf16: the
+    # quantized path keeps fp32 accumulators where the unquantized one rounds to bf16 (measured ~5e-3).
+    assert rel(run(q), run(u)) < tol
+
+
+@pytest.mark.parametrize("case", ["dense_fp8", "dense_nvfp4", "moe_experts_nvfp4"])
+def test_triton_path_equals_native_path(case):
+    head, overrides = QUANTIZED[case]
+    native = build(head, *overrides, "runtime.dtype=float32", "runtime.backend=native")
+    triton = build(head, *overrides, "runtime.dtype=float32", "runtime.backend=triton")
+    # float32 through the interpreter: summation order only
+    assert rel(run(triton, rows=6), run(native, rows=6)) < 1e-4
+
+
+@pytest.mark.parametrize("case, budget", [("dense_fp8", 0.08), ("dense_nvfp4", 0.35),
+                                          ("moe_experts_nvfp4", 0.35), ("moe_lm_nvfp4", 0.35)])
+def test_quantization_error_against_the_unquantized_head(case, budget):
+    head, overrides = QUANTIZED[case]
+    err = rel(run(build(head, *overrides, "runtime.dtype=float32")), run(build(head, "runtime.dtype=float32")))
+    assert 0 < err < budget, err
+
+
+def test_weight_only_nvfp4_dense_head_keeps_fc_k_v_unquantized():
+    head = build("dense", "quant=nvfp4")
+    assert "weight-only NVFP4" in head.summary() and "LM head nvfp4" in head.summary()
+    fmts = {m.name.rsplit(".", 1)[-1]: m.fmt for m in head.modules() if isinstance(m, Linear)}
+    assert fmts["fc"] == fmts["k_proj"] == fmts["v_proj"] == "unq"
+    assert fmts["q_proj"] == fmts["o_proj"] == fmts["gate_proj"] == fmts["down_proj"] == "nvfp4"
+
+
+@pytest.mark.parametrize("kv, exact", [("fp8", False), ("fp8", True)])
+def test_fp8_kv_close_to_unquantized_kv(kv, exact):
+    base = run(build("dense", "runtime.dtype=float32"))
+    head = build("dense", "runtime.dtype=float32", f"kv={kv}", f"levers.kv_exact={exact}")
+    assert head.cache.k.dtype == torch.float8_e4m3fn and (head.cache.k_scale is not None) == exact
+    assert 0 < rel(run(head), base) < 0.05
+
+
+def test_kv_exact_changes_the_cache_and_its_reserve():
+    unit = mtpfactory.compose("+head=dense", *CPU, "kv=fp8")
+    exact = mtpfactory.compose("+head=dense", *CPU, "kv=fp8", "levers.kv_exact=true")
+    blocks = build("dense", "kv=fp8").cache.spec.num_blocks
+    # per token and KV head: one fp32 scale for K and one for V
+    assert mtpfactory.kv_reserve_bytes(exact) - mtpfactory.kv_reserve_bytes(unit) == blocks * 16 * 2 * 2 * 4
+    assert rel(run(build("dense", "runtime.dtype=float32", "kv=fp8", "levers.kv_exact=true")),
+               run(build("dense", "runtime.dtype=float32", "kv=fp8"))) > 0
+
+
+@pytest.mark.parametrize("overrides, field, says", [
+    (("+head=bf16_moe", "quant=fp8"), "quant", "levers.experts_nvfp4"),
+    (("+head=bf16_moe", "quant=nvfp4"), "quant", "allows quant=bf16"),
+    (("+head=dense", "levers.experts_nvfp4=true"), "levers.experts_nvfp4", "dense FFN True"),
+    (("+head=dense", "quant=fp8", "levers.experts_nvfp4=true"), "levers.experts_nvfp4", "quant=fp8"),
+    (("+head=dense", "levers.kv_exact=true"), "levers.kv_exact", "kv=fp8"),
+    (("+head=dense", "quant.lm_head=int4"), "quant.lm_head", "auto, bf16, fp8, nvfp4"),
+])
+def test_combinations_outside_the_table_are_refused(overrides, field, says):
+    with pytest.raises(ConfigError) as e:
+        mtpfactory.build_head(mtpfactory.compose(*overrides, *CPU))
+    assert e.value.field == field and says in str(e.value)
+
+
+def test_gemv_split_work_gives_the_same_logits():
+    on = build("dense", "quant=fp8", "runtime.dtype=float32", "runtime.backend=triton")
+    off = build("dense", "quant=fp8", "runtime.dtype=float32", "runtime.backend=triton", "levers.gemv_split_work=false")
+    assert rel(run(on, rows=4), run(off, rows=4)) < 1e-5
