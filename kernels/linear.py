@@ -111,11 +111,13 @@ def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16B
 # --- kernels -------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
+def _linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
                    stride_xm, stride_xk, stride_wn, stride_om, stride_on,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    USE_DOT: tl.constexpr, LOWP_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """out = x @ W^T for a BF16/FP16/FP32 weight, or (ROW_SCALE) an FP8 weight times its per-row scale,
+    applied here or, split-K, by the reduce pass. E4M3 values are exact in fp32 and in bf16 dots."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
@@ -144,6 +146,8 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
         acc = dot_result(acc, SWAP_AB)                               # [BM, BN]
     else:
         acc = tl.sum(acc3, axis=2)                                   # [BM, BN]
+    if ROW_SCALE and not SPLIT:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     store_tile(acc, out_ptr, part_ptr, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om, stride_on, SPLIT)
 
 
@@ -250,9 +254,10 @@ def splitk_reduce(part: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | N
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,
-                  plan: GemvPlan | None = None) -> torch.Tensor:
+                  plan: GemvPlan | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype. `split_k` cuts K across programs (tall-skinny
-    weights); `out` receives the result; `plan` overrides the tiles (tests, sweeps)."""
+    weights); `out` receives the result; `plan` overrides the tiles (tests, sweeps); `weight_scale` (fp32
+    [N]) scales each output column, for FP8 weights."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.stride(1) != 1:
@@ -264,14 +269,15 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     plan = plan or plan_for(m, n, k, split_k)
     part = partial_buffer(plan, m, n, x)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
+    scaled = weight_scale is not None
     _linear_kernel[grid](
-        x, weight, out, part if part is not None else out, m, n, k, plan.k_per_split,
-        x.stride(0), x.stride(1), weight.stride(0), out.stride(0), out.stride(1),
+        x, weight, weight_scale if scaled else out, out, part if part is not None else out, m, n, k,
+        plan.k_per_split, x.stride(0), x.stride(1), weight.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, USE_DOT=plan.use_dot,
-        LOWP_DOT=lowp_dot(x), SWAP_AB=plan.swap_ab, SPLIT=part is not None, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+        LOWP_DOT=lowp_dot(x), SWAP_AB=plan.swap_ab, SPLIT=part is not None, ROW_SCALE=scaled,
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
     if part is not None:
-        splitk_reduce(part, out)
+        splitk_reduce(part, out, weight_scale, scale_mode=1 if scaled else 0)
     return out
 
 
