@@ -26,31 +26,7 @@ from mtpfactory.kernels.linear import (
     plan_for,
 )
 from mtpfactory.ops import Provider
-
-# Triton 3.6's interpreter converts 1-element arrays to ints the way numpy 1.25+ deprecates, once per op.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-
-OUT_RTOL = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
-SUM_RTOL = 1e-5
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SHAPES = [(1, 16), (7, 48), (33, 80), (130, 48)]   # (N, K): N and K off the tile sizes
-MS = [1, 3, 17, 32]                                   # FMA path (M <= 8) and tl.dot path (BLOCK_M 32)
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, abs_sum: torch.Tensor) -> None:
-    """|out - ref| <= OUT_RTOL[dtype] * |ref| + SUM_RTOL * abs_sum elementwise; a NaN left by the poisoned
-    output (an element the kernel never wrote) fails."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements not written"
-    o, r = out.double(), ref.double()
-    bound = OUT_RTOL[out.dtype] * r.abs() + SUM_RTOL * abs_sum.double()
-    bad = (o - r).abs() > bound
-    assert not bad.any(), (f"{int(bad.sum())}/{bad.numel()} elements off, worst {(o - r).abs().max().item():.3g} "
-                           f"at {tuple(bad.nonzero()[0].tolist())}")
-
-
-def poisoned(m: int, n: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
+from gemv_common import DTYPES, MS, SHAPES, assert_matches, explicit_plans, poisoned
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
@@ -65,21 +41,6 @@ def check(x: torch.Tensor, w: torch.Tensor, **kwargs) -> torch.Tensor:
     ref = _linear_native(x, w)
     assert_matches(out, ref, x.float().abs() @ w.float().abs().T)
     return out
-
-
-def explicit_plans(m: int, n: int, k: int) -> list:
-    """Tiles smaller than the shapes tested (several N tiles and K chunks, the last of each partial) on
-    every path: tl.dot, tl.dot with swapped operands, CUDA-core FMAs (M <= 8), unsplit and split-K over
-    2 or 3 slices (the last one shorter)."""
-    bm_dot = 16 if m <= 16 else 32
-    plans = [make_plan(m, n, k, block_n=16, block_k=16, block_m=bm_dot),
-             make_plan(m, n, k, block_n=32, block_k=32, splits=3, block_m=bm_dot),
-             make_plan(m, n, k, block_n=16, block_k=32, splits=2, block_m=bm_dot, swap_ab=True)]
-    if m <= 8:
-        bm_fma = 1 << (m - 1).bit_length()
-        plans += [make_plan(m, n, k, block_n=8, block_k=16, block_m=bm_fma),
-                  make_plan(m, n, k, block_n=16, block_k=32, splits=3, block_m=bm_fma)]
-    return plans
 
 
 # --- interpreted (CPU) -----------------------------------------------------------------------------------------

@@ -14,27 +14,10 @@ import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError
-from mtpfactory.kernels.linear import make_plan
 from mtpfactory.kernels.linear_fp8 import _linear_fp8_native, _linear_fp8_supports, linear_fp8, linear_fp8_triton
 from mtpfactory.ops import Provider
 from mtpfactory.quant import quantize_fp8
-
-# Triton 3.6's interpreter converts 1-element arrays to ints the way numpy 1.25+ deprecates, once per op.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-
-OUT_RTOL = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
-SUM_RTOL = 1e-5
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, abs_sum: torch.Tensor) -> None:
-    """|out - ref| <= OUT_RTOL[dtype] * |ref| + SUM_RTOL * abs_sum elementwise; NaN (unwritten) fails."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements not written"
-    o, r = out.double(), ref.double()
-    bad = (o - r).abs() > OUT_RTOL[out.dtype] * r.abs() + SUM_RTOL * abs_sum.double()
-    assert not bad.any(), (f"{int(bad.sum())}/{bad.numel()} elements off, worst {(o - r).abs().max().item():.3g} "
-                           f"at {tuple(bad.nonzero()[0].tolist())}")
+from gemv_common import DTYPES, assert_matches, explicit_plans
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
@@ -52,21 +35,6 @@ def check(x, weight, scale, **kwargs) -> None:
     linear_fp8_triton(x, weight, scale, out=out, **kwargs)
     abs_sum = x.float().abs() @ (weight.float().abs() * scale[:, None]).T
     assert_matches(out, _linear_fp8_native(x, weight, scale), abs_sum)
-
-
-def explicit_plans(m: int, n: int, k: int) -> list:
-    """Tiles smaller than the shapes tested (several N tiles and K chunks, the last of each partial) on
-    every path: tl.dot, tl.dot with swapped operands, CUDA-core FMAs (M <= 8), unsplit and split-K over
-    2 or 3 slices (the last one shorter)."""
-    bm_dot = 16 if m <= 16 else 32
-    plans = [make_plan(m, n, k, block_n=16, block_k=16, block_m=bm_dot),
-             make_plan(m, n, k, block_n=32, block_k=32, splits=3, block_m=bm_dot),
-             make_plan(m, n, k, block_n=16, block_k=32, splits=2, block_m=bm_dot, swap_ab=True)]
-    if m <= 8:
-        bm_fma = 1 << (m - 1).bit_length()
-        plans += [make_plan(m, n, k, block_n=8, block_k=16, block_m=bm_fma),
-                  make_plan(m, n, k, block_n=16, block_k=32, splits=3, block_m=bm_fma)]
-    return plans
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

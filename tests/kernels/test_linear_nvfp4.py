@@ -24,23 +24,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
 )
 from mtpfactory.ops import Provider
 from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
-
-# Triton 3.6's interpreter converts 1-element arrays to ints the way numpy 1.25+ deprecates, once per op.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-
-OUT_RTOL = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
-SUM_RTOL = 1e-5
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, abs_sum: torch.Tensor) -> None:
-    """|out - ref| <= OUT_RTOL[dtype] * |ref| + SUM_RTOL * abs_sum elementwise; NaN (unwritten) fails."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements not written"
-    o, r = out.double(), ref.double()
-    bad = (o - r).abs() > OUT_RTOL[out.dtype] * r.abs() + SUM_RTOL * abs_sum.double()
-    assert not bad.any(), (f"{int(bad.sum())}/{bad.numel()} elements off, worst {(o - r).abs().max().item():.3g} "
-                           f"at {tuple(bad.nonzero()[0].tolist())}")
+from gemv_common import DTYPES, assert_matches, explicit_plans
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
@@ -62,28 +46,13 @@ def check(x, weight, scale, scale_2, **kwargs) -> None:
     assert_matches(out, _linear_nvfp4_native(x, weight, scale, scale_2), abs_sum)
 
 
-def explicit_plans(m: int, n: int, k: int) -> list:
-    """Tiles smaller than the shapes tested (several N tiles and K chunks, the last of each partial) on
-    every path: tl.dot, tl.dot with swapped operands, CUDA-core FMAs (M <= 8), unsplit and split-K over
-    2 or 3 slices (the last one shorter)."""
-    bm_dot = 16 if m <= 16 else 32
-    plans = [make_plan(m, n, k, block_n=16, block_k=32, block_m=bm_dot),
-             make_plan(m, n, k, block_n=32, block_k=32, splits=3, block_m=bm_dot),
-             make_plan(m, n, k, block_n=16, block_k=32, splits=2, block_m=bm_dot, swap_ab=True)]
-    if m <= 8:
-        bm_fma = 1 << (m - 1).bit_length()
-        plans += [make_plan(m, n, k, block_n=8, block_k=16, block_m=bm_fma),
-                  make_plan(m, n, k, block_n=16, block_k=32, splits=3, block_m=bm_fma)]
-    return plans
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 3, 17, 32])
 @pytest.mark.parametrize("n,k", [(1, 16), (7, 48), (33, 80), (130, 48)])
 def test_matches_reference_with_explicit_tiles(dtype, m, n, k):
     x, *w = make_inputs(m, n, k, dtype, seed=m * 1000 + n)
     with ops.use_backend("triton"):
-        for plan in explicit_plans(m, n, k):
+        for plan in explicit_plans(m, n, k, first_block_k=32):
             check(x, *w, plan=plan)
 
 

@@ -1,0 +1,47 @@
+"""What the GEMV tests share (test_linear*.py): the tolerance, the poisoned output and the tile plans."""
+
+from __future__ import annotations
+
+import torch
+
+from mtpfactory.kernels.linear import make_plan
+
+# |out - ref| <= OUT_RTOL * |ref| + SUM_RTOL * sum|x||w|: the second term covers fp32 partial sums taken in
+# another order; the first, the final rounding landing on a neighbouring value of the output dtype. A
+# dropped or doubled K tile misses by the order of sum|x||w| and fails.
+OUT_RTOL = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+SUM_RTOL = 1e-5
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(1, 16), (7, 48), (33, 80), (130, 48)]   # (N, K): N and K off the tile sizes
+MS = [1, 3, 17, 32]                                   # FMA path (M <= 8) and tl.dot path (BLOCK_M 32)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, abs_sum: torch.Tensor) -> None:
+    """|out - ref| <= OUT_RTOL[dtype] * |ref| + SUM_RTOL * abs_sum elementwise; a NaN left by the poisoned
+    output (an element the kernel never wrote) fails."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements not written"
+    o, r = out.double(), ref.double()
+    bound = OUT_RTOL[out.dtype] * r.abs() + SUM_RTOL * abs_sum.double()
+    bad = (o - r).abs() > bound
+    assert not bad.any(), (f"{int(bad.sum())}/{bad.numel()} elements off, worst {(o - r).abs().max().item():.3g} "
+                           f"at {tuple(bad.nonzero()[0].tolist())}")
+
+
+def poisoned(m: int, n: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
+
+
+def explicit_plans(m: int, n: int, k: int, first_block_k: int = 16) -> list:
+    """Tiles smaller than the shapes tested (several N tiles and K chunks, the last of each partial) on
+    every path: tl.dot, tl.dot with swapped operands, CUDA-core FMAs (M <= 8), unsplit and split-K over
+    2 or 3 slices (the last one shorter)."""
+    bm_dot = 16 if m <= 16 else 32
+    plans = [make_plan(m, n, k, block_n=16, block_k=first_block_k, block_m=bm_dot),
+             make_plan(m, n, k, block_n=32, block_k=32, splits=3, block_m=bm_dot),
+             make_plan(m, n, k, block_n=16, block_k=32, splits=2, block_m=bm_dot, swap_ab=True)]
+    if m <= 8:
+        bm_fma = 1 << (m - 1).bit_length()
+        plans += [make_plan(m, n, k, block_n=8, block_k=16, block_m=bm_fma),
+                  make_plan(m, n, k, block_n=16, block_k=32, splits=3, block_m=bm_fma)]
+    return plans
