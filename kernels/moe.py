@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpfactory.kernels.fp_bits import e4m3_value
 from mtpfactory.ops import Op, triton_can_run
 from mtpfactory.quant import dequantize_nvfp4
 
@@ -156,16 +157,6 @@ def _round_act(v, ACT: tl.constexpr, INTERP: tl.constexpr, AS_FP32: tl.constexpr
 
 
 @triton.jit
-def _e4m3_bits_to_f32(bits):
-    """float8_e4m3fn bit patterns (int32, 0..255) -> fp32: 2**(e-7) * (1 + m/8), subnormals m * 2**-9."""
-    exp = (bits >> 3) & 15
-    man = bits & 7
-    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(exp > 0, normal, man.to(tl.float32) * 0.001953125)
-    return tl.where((bits & 128) != 0, -mag, mag)
-
-
-@triton.jit
 def _e2m1_twice(code):
     """4-bit E2M1 codes (int32) -> 2 * value as fp32. The doubled magnitudes 0 1 2 3 4 6 8 12 sit as nibbles
     in one int32 table, code 7 in the lowest nibble; the sign is bit 3."""
@@ -190,7 +181,7 @@ def _nvfp4_tiles(w_ptr, s_ptr, rows, row_ok, b0, n_bytes, stride_wn, stride_sn, 
     s_ok = row_ok[:, None] & (sb < n_bytes // 8)[None, :]
     sbits = tl.load(s_ptr + rows[:, None] * stride_sn + sb[None, :], mask=s_ok, other=0)   # [R, NB] uint8
     if INTERP:
-        scale = _e4m3_bits_to_f32(sbits.to(tl.int32))
+        scale = e4m3_value(sbits.to(tl.int32))
     else:
         scale = sbits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     unit = (scale * glob * 0.5)[:, :, None]                                                # [R, NB, 1]

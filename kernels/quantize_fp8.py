@@ -3,7 +3,7 @@
 
 The Triton provider is bit-identical to that reference on the device it runs on, so nothing here goes
 through a float->fp8 cast (the interpreter's rounds wrongly, and a GPU's cvt may differ from torch's at
-the edges): the e4m3 rounding is integer math on the fp32 bits (`e4m3_rne_bits`, shared with NVFP4's
+the edges): the e4m3 rounding is integer math on the fp32 bits (`fp_bits.e4m3_rne_bits`, shared with NVFP4's
 block scales), and every division is IEEE round-to-nearest (`tl.math.div_rn`), as torch's are.
 One device detail the reference carries: torch on CUDA divides a tensor by a Python float as a multiply
 by the float's fp32 reciprocal (1 ulp off true division at times) and on the CPU truly divides;
@@ -21,6 +21,7 @@ import triton.language as tl
 
 from mtpfactory import quant
 from mtpfactory.errors import InputError
+from mtpfactory.kernels.fp_bits import e4m3_rne_bits
 from mtpfactory.ops import Op, triton_can_run
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 
@@ -28,39 +29,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # --- e4m3 in integer math (also used by quantize_nvfp4) ----------------------------------------------------
-
-@triton.jit
-def e4m3_rne_bits(v):
-    """fp32 `v`, already clamped to +-448 -> float8_e4m3fn bits (int32 in [0, 255]), round to nearest even.
-
-    |v| >= 2**-6 (e4m3 normal): round the 23 fp32 mantissa bits to 3 by adding 0x7FFFF plus the kept lsb
-    (a carry moves into the exponent, as it should), then rebias the exponent (127 -> 7: minus 120 << 3).
-    |v| < 2**-6: the e4m3 value is an integer count of 2**-9 (8 of them being 2**-6, the smallest normal,
-    whose bits are also 8), so round the 24-bit significand shifted right by 141 - exponent, ties to even;
-    fp32 zeros and subnormals shift out to 0. The sign bit is kept on a zero result, as torch keeps it.
-    """
-    b = v.to(tl.int32, bitcast=True)
-    a = b & 0x7FFFFFFF
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
-    shift = tl.minimum(tl.maximum(141 - (a >> 23), 21), 26)       # >= 25 leaves nothing: the result is 0
-    sig = (a & 0x7FFFFF) | 0x800000                                # 24-bit significand
-    h = sig >> (shift - 1)                                         # kept bits and the round bit
-    kept = h >> 1
-    sticky = (h << (shift - 1)) != sig
-    up = ((h & 1) == 1) & (sticky | ((kept & 1) == 1))
-    sub = kept + up.to(tl.int32)
-    mag = tl.where(a >= (121 << 23), normal, sub)
-    return tl.where(b < 0, mag | 0x80, mag)
-
-
-@triton.jit
-def e4m3_value(bits):
-    """Non-negative e4m3 bits (int32 in [0, 0x7E]) -> the exact fp32 value."""
-    e = bits >> 3
-    m = bits & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    return tl.where(e > 0, normal, m.to(tl.float32) * 0.001953125)   # subnormal: m * 2**-9
-
 
 def fp32_reciprocal(d: float) -> float:
     """1 / d rounded to fp32, as torch computes it before multiplying (exact as a Python float)."""

@@ -21,13 +21,8 @@ import triton
 import triton.language as tl
 
 from mtpfactory import quant
-from mtpfactory.kernels.quantize_fp8 import (
-    check_out,
-    divides_by_reciprocal,
-    e4m3_rne_bits,
-    e4m3_value,
-    fp32_reciprocal,
-)
+from mtpfactory.kernels.fp_bits import e4m3_rne_bits, e4m3_value
+from mtpfactory.kernels.quantize_fp8 import check_out, divides_by_reciprocal, fp32_reciprocal
 from mtpfactory.ops import Op, triton_can_run
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 from mtpfactory.quant.nvfp4 import E2M1_MAX, NVFP4_BLOCK

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtpfactory.kernels.rms_norm import cast_rne
+from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.ops import Op, triton_can_run
 
 

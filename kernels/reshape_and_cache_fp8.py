@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpfactory.kernels.fp_bits import e4m3_rne_bits
 from mtpfactory.ops import Op, triton_can_run
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, to_e4m3
 
@@ -44,22 +45,6 @@ def _reshape_and_cache_fp8_native(k: torch.Tensor, v: torch.Tensor, k_cache: tor
 # --- Triton -------------------------------------------------------------------------------------------
 
 @triton.jit
-def _e4m3_code(y):
-    """fp32 in [-448, 448] -> its E4M3 (fn) byte, round to nearest, ties to even, in integer math."""
-    bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a = bits & 0x7FFFFFFF  # |y|
-    # Normal E4M3 (|y| >= 2^-6): keep 3 of fp32's 23 mantissa bits, round half to even, and rebias the
-    # exponent from 127 to 7; a carry out of the mantissa lands in the exponent, as it should.
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
-    # Subnormal E4M3 (|y| < 2^-6, steps of 2^-9): |y| * 2^9 is exact, and adding 2^23 rounds it to an
-    # integer (half to even) in the low mantissa bits; 8 (= 2^-6) is the smallest normal code.
-    magic = a.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
-    sub = magic.to(tl.int32, bitcast=True) - 0x4B000000
-    return (tl.where(a < 0x3C800000, sub, normal) | sign).to(tl.uint8)
-
-
-@triton.jit
 def _quantize_store(x_ptr, c_ptr, s_ptr, row, blk, off, s_xn, s_xh, s_xd, s_cb, s_ct, s_ch, s_cd,
                     s_sb, s_st, s_sh, KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                     D_PAD: tl.constexpr, HAS_SCALE: tl.constexpr):
@@ -75,7 +60,7 @@ def _quantize_store(x_ptr, c_ptr, s_ptr, row, blk, off, s_xn, s_xh, s_xd, s_cb, 
         x = tl.math.div_rn(x, s[:, None])
         tl.store(s_ptr + blk * s_sb + off * s_st + h * s_sh, s, mask=h_mask)
     x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
-    tl.store(c_ptr + blk * s_cb + off * s_ct + h[:, None] * s_ch + d[None, :] * s_cd, _e4m3_code(x), mask=mask)
+    tl.store(c_ptr + blk * s_cb + off * s_ct + h[:, None] * s_ch + d[None, :] * s_cd, e4m3_rne_bits(x).to(tl.uint8), mask=mask)
 
 
 @triton.jit

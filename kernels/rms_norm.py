@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.ops import Op, triton_can_run
 
 
@@ -25,18 +26,6 @@ rms_norm = Op("rms_norm", _rms_norm_native)
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------
-
-@triton.jit
-def cast_rne(x, dtype: tl.constexpr):
-    """fp32 `x` to `dtype`, rounding to nearest even. bf16 rounds in integer math: Triton's interpreter
-    truncates fp32 -> bf16 (1 + 3 * 2**-8 becomes 1 + 2**-7), the GPU's cvt.rn does not; this way both
-    agree with torch. NaN stays NaN, overflow goes to inf. Shared by the rope and reshape_and_cache kernels."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    return x.to(dtype)
-
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, H, eps,

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mtpfactory.kernels.rms_norm import cast_rne
+from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.ops import Op, triton_can_run
 
 
