@@ -132,3 +132,13 @@ def test_gemv_split_work_gives_the_same_logits():
     on = build("dense", "quant=fp8", "runtime.dtype=float32", "runtime.backend=triton")
     off = build("dense", "quant=fp8", "runtime.dtype=float32", "runtime.backend=triton", "levers.gemv_split_work=false")
     assert rel(run(on, rows=4), run(off, rows=4)) < 1e-5
+
+
+def test_expert_quantization_reports_progress(monkeypatch, caplog):
+    import mtpfactory.components.ffn as ffn
+
+    monkeypatch.setattr(ffn, "PROGRESS_EVERY", 4)  # the tiny preset has 8 experts; real heads report every 128
+    with caplog.at_level("INFO", logger="mtpfactory.components.ffn"):
+        build("bf16_moe", "levers.experts_nvfp4=true")
+    assert [r.getMessage() for r in caplog.records if "experts quantized" in r.getMessage()] == [
+        "  MTP experts quantized: 4/8", "  MTP experts quantized: 8/8"]
