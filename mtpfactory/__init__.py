@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 
 import torch
 from omegaconf import DictConfig
 
+from mtpfactory import ops
 from mtpfactory.config import compose, list_heads
 from mtpfactory.errors import (ConfigError, InputError, KVPoolExhaustedError, MtpfError, UnknownNameError,
                                WeightsError)
@@ -62,7 +64,11 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.P
                           "a mapping of checkpoint names to tensors, a checkpoint directory, or None",
                           "pass a dict of tensors or the checkpoint's directory")
     ctx = BuildContext(cfg, TensorSource(weights, origin), runtime_dtype(cfg), runtime_device(cfg))
-    return builder.build(ctx)
+    # Quantizing at build time runs the same ops as the forward: under the configured backend, on the head's GPU.
+    with ops.use_backend(cfg.runtime.backend), contextlib.ExitStack() as stack:
+        if ctx.device.type == "cuda":
+            stack.enter_context(torch.cuda.device(ctx.device))
+        return builder.build(ctx)
 
 
 def kv_reserve_bytes(cfg: DictConfig) -> int:
