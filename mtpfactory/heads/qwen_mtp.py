@@ -31,12 +31,13 @@ log = logging.getLogger(__name__)
 
 MTP, LAYER = "mtp.", "mtp.layers.0."
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
-# How each projection role is stored, by head and quant (DESIGN 2.2); roles not listed are unquantized, and
-# a quant not listed for a head is refused. The LM head follows `quant.lm_head` (auto: the quant).
+# How each projection role is stored, by FFN form (head `dense`, head `bf16_moe`) and quant (DESIGN 2.2); roles
+# not listed are unquantized, and a quant not listed for a form is refused. The LM head follows
+# `quant.lm_head` (auto: the quant).
 FORMATS = {
     "dense": {"bf16": {}, "fp8": dict.fromkeys(("fc", "q", "o", "k", "v", "ffn"), "fp8"),
               "nvfp4": dict.fromkeys(("q", "o", "ffn"), "nvfp4")},
-    "bf16_moe": {"bf16": {}},
+    "moe": {"bf16": {}},
 }
 LM_HEAD_FORMATS = {"bf16": "unq", "fp8": "fp8", "nvfp4": "nvfp4"}
 FFN_FIELDS = {
@@ -88,10 +89,10 @@ def pool_spec(cfg: DictConfig) -> PoolSpec:
                     token_scales=cfg.levers.kv_exact)
 
 
-def formats(cfg: DictConfig) -> dict[str, str]:
+def formats(cfg: DictConfig, form: str) -> dict[str, str]:
     """How each projection role of the head is stored under its quant and levers (DESIGN 2.2)."""
     q = cfg.quant
-    f = dict(FORMATS[cfg.head.name][q.mode])
+    f = dict(FORMATS[form][q.mode])
     f["lm_head"] = LM_HEAD_FORMATS[q.mode if q.lm_head == "auto" else q.lm_head]
     if cfg.levers.experts_nvfp4:
         f["experts"] = "nvfp4"
@@ -104,15 +105,15 @@ def check_config(cfg: DictConfig, form: str) -> None:
     if m.family != "qwen3_next":
         raise ConfigError("model.family", m.family, f"head {name} builds Qwen-style MTP heads (qwen3_next)",
                           "choose a qwen3_next model preset, e.g. model=qwen3_next_tiny")
-    allowed = FORMATS[name]
+    allowed = FORMATS[form]
     if cfg.quant.mode not in allowed:
         raise ConfigError("quant", cfg.quant.mode, f"head {name} allows quant={'|'.join(allowed)}",
                           "use quant=bf16; for NVFP4 experts on this head add levers.experts_nvfp4=true"
-                          if name == "bf16_moe" else f"use quant={'|'.join(allowed)}")
+                          if form == "moe" else f"use quant={'|'.join(allowed)}")
     if cfg.quant.lm_head != "auto" and cfg.quant.lm_head not in LM_HEAD_FORMATS:
         raise ConfigError("quant.lm_head", cfg.quant.lm_head, f"allowed: auto, {', '.join(LM_HEAD_FORMATS)}",
                           "use quant.lm_head=auto to follow quant")
-    if cfg.levers.experts_nvfp4 and (name != "bf16_moe" or cfg.quant.mode != "bf16"):
+    if cfg.levers.experts_nvfp4 and (form != "moe" or cfg.quant.mode != "bf16"):
         raise ConfigError("levers.experts_nvfp4", True, f"needs a BF16 MoE head on BF16 experts (this head: {name}, "
                           f"quant={cfg.quant.mode}, dense FFN {form == 'dense'})",
                           "drop the lever, or use +head=bf16_moe quant=bf16")
@@ -171,7 +172,7 @@ def check_ffn_form(ctx: BuildContext, form: str) -> None:
 def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
     cfg, m = ctx.cfg, ctx.model
     check_ffn_form(ctx, form)
-    ctx.formats = formats(cfg)
+    ctx.formats = formats(cfg, form)
     h, nq, hd, eps = m.hidden_size, m.num_attention_heads, m.head_dim, m.rms_norm_eps
     norm = registry.get("norm", cfg.head.norm)
     spec = pool_spec(cfg)
