@@ -39,17 +39,24 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
-def graph_time_us(calls: list) -> float:
-    """Median time of one call: a CUDA graph launches each call (one per weight copy) once per replay."""
+def graph_time_us(calls: list) -> tuple[float, bool]:
+    """Median time of one call: a CUDA graph launches each call (one per weight copy) once per replay, so
+    host launch cost stays out. A provider that cannot be captured is timed launch by launch (False)."""
     for c in calls:  # compile / warm outside the capture
         c()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+    except Exception:  # noqa: BLE001
+        torch.cuda.synchronize()
+        it = iter(range(1 << 62))
+        ms = do_bench(lambda: calls[next(it) % len(calls)](), warmup=25, rep=200, return_mode="median")
+        return ms * 1e3, False
     ms = do_bench(g.replay, warmup=25, rep=200, return_mode="median")
-    return ms * 1e3 / len(calls)
+    return ms * 1e3 / len(calls), True
 
 
 def formats(n: int, k: int, copies: int) -> dict:
@@ -68,45 +75,46 @@ def weight_bytes(w) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def providers(w: dict, x: torch.Tensor) -> dict:
+def gemlite_peers(w: dict, k: int) -> dict:
+    """gemlite's A16W8_FP8 and A16W4_NVFP layers over the same BF16 weight copies, where they build."""
+    try:
+        from gemlite.helper import A16W4_NVFP, A16W8_FP8
+    except ImportError:
+        print("# gemlite not installed: its rows are skipped")
+        return {}
+    out = {}
+    for name, proc, fmt in (("gemlite A16W8_FP8", A16W8_FP8, "fp8"), ("gemlite A16W4_NVFP", A16W4_NVFP, "nvfp4")):
+        try:
+            layers = []
+            for wb in w["bf16"]:
+                lin = torch.nn.Linear(k, wb.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
+                lin.weight.data.copy_(wb)
+                layers.append(proc(device="cuda", dtype=torch.bfloat16).from_linear(lin))
+            layers[0](torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
+            out[name] = (fmt, layers)
+        except Exception as e:  # noqa: BLE001  (a peer that does not build is reported, not fatal)
+            print(f"# {name}: unavailable ({type(e).__name__}: {str(e)[:120]!r})")
+    return out
+
+
+def providers(w: dict, x: torch.Tensor, gemlite_layers: dict) -> dict:
     """name -> (format, [one call per weight copy])."""
-    m, k = x.shape
     p = {
-        "ours bf16": ("bf16", [lambda w=w: linear_triton(x, w) for w in w["bf16"]]),
-        "ours bf16 split-K": ("bf16", [lambda w=w: linear_triton(x, w, split_k=True) for w in w["bf16"]]),
-        "cuBLAS bf16": ("bf16", [lambda w=w: torch.nn.functional.linear(x, w) for w in w["bf16"]]),
-        "ours w8a16": ("fp8", [lambda w=w: linear_fp8_triton(x, *w) for w in w["fp8"]]),
-        "ours w8a16 split-K": ("fp8", [lambda w=w: linear_fp8_triton(x, *w, split_k=True) for w in w["fp8"]]),
-        "ours w4a16": ("nvfp4", [lambda w=w: linear_nvfp4_triton(x, *w) for w in w["nvfp4"]]),
-        "ours w4a16 split-K": ("nvfp4", [lambda w=w: linear_nvfp4_triton(x, *w, split_k=True) for w in w["nvfp4"]]),
+        "ours bf16": ("bf16", [lambda t=t: linear_triton(x, t) for t in w["bf16"]]),
+        "ours bf16 split-K": ("bf16", [lambda t=t: linear_triton(x, t, split_k=True) for t in w["bf16"]]),
+        "cuBLAS bf16": ("bf16", [lambda t=t: torch.nn.functional.linear(x, t) for t in w["bf16"]]),
+        "ours w8a16": ("fp8", [lambda t=t: linear_fp8_triton(x, *t) for t in w["fp8"]]),
+        "ours w8a16 split-K": ("fp8", [lambda t=t: linear_fp8_triton(x, *t, split_k=True) for t in w["fp8"]]),
+        "ours w4a16": ("nvfp4", [lambda t=t: linear_nvfp4_triton(x, *t) for t in w["nvfp4"]]),
+        "ours w4a16 split-K": ("nvfp4", [lambda t=t: linear_nvfp4_triton(x, *t, split_k=True) for t in w["nvfp4"]]),
     }
     # torch._scaled_mm, FP8 row-wise: x quantized per row once, outside the timing (a floor for it).
     xq, xs = quantize_fp8(x.float())
     p["torch._scaled_mm fp8 rowwise"] = ("fp8", [
-        lambda w=w: torch._scaled_mm(xq, w[0].t(), scale_a=xs[:, None], scale_b=w[1][None, :],
-                                     out_dtype=torch.bfloat16) for w in w["fp8"]])
-    try:
-        import gemlite
-        from gemlite.helper import A16W4_NVFP, A16W8_FP8
-
-        def layers(proc):
-            out = []
-            for wb in w["bf16"]:
-                lin = torch.nn.Linear(k, wb.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
-                lin.weight.data.copy_(wb)
-                out.append(proc(device="cuda", dtype=torch.bfloat16).from_linear(lin))
-            return out
-
-        for name, proc, fmt in (("gemlite A16W8_FP8", A16W8_FP8, "fp8"), ("gemlite A16W4_NVFP", A16W4_NVFP, "nvfp4")):
-            try:
-                ls = layers(proc)
-                ls[0](x)
-                p[name] = (fmt, [lambda layer=layer: layer(x) for layer in ls])
-            except Exception as e:  # noqa: BLE001  (a peer that does not build is reported, not fatal)
-                print(f"# {name}: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-        del gemlite
-    except ImportError:
-        print("# gemlite not installed: its rows are skipped")
+        lambda t=t: torch._scaled_mm(xq, t[0].t(), scale_a=xs[:, None], scale_b=t[1][None, :],
+                                     out_dtype=torch.bfloat16) for t in w["fp8"]])
+    for pname, (fmt, layers) in gemlite_layers.items():
+        p[pname] = (fmt, [lambda layer=layer: layer(x) for layer in layers])
     return p
 
 
@@ -123,30 +131,31 @@ def main() -> int:
         n, k = SHAPES[name]
         copies = max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))
         w = formats(n, k, copies)
+        peers = gemlite_peers(w, k)
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = torch.nn.functional.linear(x.float(), w["bf16"][0].float())
-            for pname, (fmt, calls) in providers(w, x).items():
+            for pname, (fmt, calls) in providers(w, x, peers).items():
                 try:
                     out = calls[0]().float()
                     err = ((out - ref).norm() / ref.norm()).item()
-                    us = graph_time_us(calls)
+                    us, graphed = graph_time_us(calls)
                 except Exception as e:  # noqa: BLE001
-                    print(f"# {name} M={m} {pname}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                    print(f"# {name} M={m} {pname}: failed ({type(e).__name__}: {str(e)[:120]!r})")
                     continue
                 nbytes = weight_bytes(w[fmt][0]) + x.numel() * 2 + m * n * 2
                 floor = nbytes / bw * 1e6
                 row = dict(shape=name, n=n, k=k, m=m, provider=pname, us=us, floor_us=floor,
-                           pct_copy_bw=100 * floor / us, rel_err_vs_bf16=err)
+                           pct_copy_bw=100 * floor / us, rel_err_vs_bf16=err, cuda_graph=graphed)
                 rows.append(row)
                 print(f"{name:13s} {n:6d}x{k:<5d} M={m:<2d} {pname:30s} {us:9.2f} us  floor {floor:8.2f} us "
-                      f"{row['pct_copy_bw']:5.1f}% of copy BW  err {err:.1e}", flush=True)
+                      f"{row['pct_copy_bw']:5.1f}% of copy BW  err {err:.1e}{'' if graphed else '  (no graph)'}", flush=True)
             del x
-        del w
+        del w, peers
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_bw": bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        if args.json:  # after every shape, so a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"copy_bw": bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return 0
 
 

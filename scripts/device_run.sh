@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything the GPU machine is for, in one device call: install the project and the wheels its image
+# lacks, run the GPU tests, then the kernel benchmark; logs and JSON go under $OUT.
+#   here:   bash ../shared/tools/gpu-wheels.sh --peers      (puts hydra, omegaconf, antlr, gemlite in .whl/)
+#   device: run(command="bash scripts/device_run.sh", carry=[".whl"])
+# GPU_TESTS=0 or BENCH=0 skips a part; BENCH_ARGS passes options to scripts/bench_kernels.py.
+set -uo pipefail
+OUT=${OUT:-/tmp/mtpf-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+rc=0
+if [[ "${GPU_TESTS:-1}" == 1 ]]; then
+  # -P: keep the checkout's mtpfactory/ off sys.path, so the installed package (with mtpfactory.kernels) is used
+  timeout "${GPU_TEST_S:-300}" python3 -P -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1
+  rc=$?
+  tail -n 25 "$OUT/gpu_tests.log"
+fi
+if [[ "${BENCH:-1}" == 1 ]]; then
+  timeout "${BENCH_S:-420}" python3 -P scripts/bench_kernels.py --json "$OUT/gemv.json" ${BENCH_ARGS:-} 2>&1 |
+    tee "$OUT/bench.log"
+fi
+exit $rc
