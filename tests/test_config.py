@@ -34,6 +34,13 @@ def test_malformed_environment_value_names_the_variable(monkeypatch):
         mtpfactory.compose("+head=dense")
 
 
+@pytest.mark.parametrize("value", ["2", "-1", "ye", "tru"])
+def test_a_switch_lever_refuses_values_that_are_not_switch_words(monkeypatch, value):
+    monkeypatch.setenv("MTPF_KV_EXACT", value)
+    with pytest.raises(ConfigError, match="MTPF_KV_EXACT"):
+        mtpfactory.compose("+head=dense")
+
+
 def test_schema_types_are_checked_at_compose():
     with pytest.raises(Exception, match="max_seqs"):
         mtpfactory.compose("+head=dense", "runtime.max_seqs=many")

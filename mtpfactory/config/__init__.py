@@ -54,14 +54,22 @@ def compose(*overrides: str) -> DictConfig:
     return cfg
 
 
+BOOL_WORDS = ("1", "0", "true", "false", "yes", "no", "on", "off")
+
+
 def resolve(cfg: DictConfig) -> None:
     """Resolve interpolations in place, naming the environment variable of a lever that fails."""
     for name in LEVERS:
+        var = f"MTPF_{name.upper()}"
+        kind = schema.LeversConfig.__dataclass_fields__[name].type
+        value = os.environ.get(var)
+        # OmegaConf reads any integer as a bool (2 -> true): a typo should fail, not switch a lever on
+        if kind in (bool, "bool") and value is not None and value.strip().lower() not in BOOL_WORDS:
+            raise ConfigError(var, value, f"levers.{name} is a switch: {', '.join(BOOL_WORDS)}",
+                              f"set {var}=1 or {var}=0, or unset it")
         try:
             getattr(cfg.levers, name)
         except Exception as e:  # OmegaConf raises its own validation errors
-            var = f"MTPF_{name.upper()}"
-            raise ConfigError(var, os.environ.get(var), f"levers.{name} cannot read it ({type(e).__name__})",
-                              f"unset {var} or give it a value of the lever's type "
-                              f"({schema.LeversConfig.__dataclass_fields__[name].type})") from None
+            raise ConfigError(var, value, f"levers.{name} cannot read it ({type(e).__name__})",
+                              f"unset {var} or give it a value of the lever's type ({kind})") from None
     OmegaConf.resolve(cfg)
