@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Mapping
 
@@ -65,9 +64,7 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.P
                           "pass a dict of tensors or the checkpoint's directory")
     ctx = BuildContext(cfg, TensorSource(weights, origin), runtime_dtype(cfg), runtime_device(cfg))
     # Quantizing at build time runs the same ops as the forward: under the configured backend, on the head's GPU.
-    with ops.use_backend(cfg.runtime.backend), contextlib.ExitStack() as stack:
-        if ctx.device.type == "cuda":
-            stack.enter_context(torch.cuda.device(ctx.device))
+    with ops.running(cfg.runtime.backend, ctx.device):
         return builder.build(ctx)
 
 

@@ -101,6 +101,15 @@ def use_backend(backend: str) -> Iterator[None]:
         _backend.reset(token)
 
 
+@contextlib.contextmanager
+def running(backend: str, device: torch.device) -> Iterator[None]:
+    """Run the enclosed ops under `backend`, with Triton launching on `device` (not the current GPU)."""
+    with use_backend(backend), contextlib.ExitStack() as stack:
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
+        yield
+
+
 def triton_can_run(*tensors: torch.Tensor) -> bool:
     """Triton can launch on these tensors: all on one CUDA device; or, when `runtime.backend=triton` asks
     for it explicitly, all on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is

@@ -13,6 +13,7 @@ import torch
 import mtpfactory
 from mtpfactory import ConfigError, InputError, KVPoolExhaustedError, MtpfError, UnknownNameError, WeightsError
 from mtpfactory.weights.synthetic import qwen_mtp_weights
+from seq_state import assert_unchanged, snapshot
 
 H, VOCAB, MAX_LEN = 64, 512, 64
 CPU = ("runtime.dtype=float32", "runtime.device=cpu")
@@ -25,18 +26,6 @@ HELD = 7  # the sequence every head test holds: rows 0..19 (2 blocks)
 def rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (n,), generator=g), torch.randn(n, H, generator=g)
-
-
-def snapshot(head):
-    seqs = {i: (s.start, s.end, list(s.blocks)) for i, s in head.cache.seqs.items()}
-    return seqs, head.cache.blocks_in_use, head.cache.k.clone(), head.cache.v.clone()
-
-
-def assert_unchanged(head, snap) -> None:
-    seqs, in_use, k, v = snap
-    assert {i: (s.start, s.end, list(s.blocks)) for i, s in head.cache.seqs.items()} == seqs
-    assert head.cache.blocks_in_use == in_use
-    assert torch.equal(head.cache.k, k) and torch.equal(head.cache.v, v)
 
 
 def refused(exc: type[MtpfError], call, *in_message: str) -> MtpfError:

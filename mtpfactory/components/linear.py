@@ -66,10 +66,6 @@ class LinearNVFP4(Linear):
         self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         self.weight_scale_2 = nn.Parameter(weight_scale_2, requires_grad=False)
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
     def dequantize(self) -> torch.Tensor:
         return dequantize_nvfp4(self.weight.data, self.weight_scale.data, self.weight_scale_2.data)
 

@@ -7,8 +7,6 @@ decode path: writes KV, attends, returns logits and the chained hidden).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +65,7 @@ class DraftHead(nn.Module):
             return
         slots = self.cache.commit(plan)
         c = self.prefill_scratch.rows
-        with self._running():
+        with ops.running(self.backend, self.device):
             for a in range(0, len(p), c):
                 self._write_rows(tokens[a:a + c], hidden[a:a + c], positions[a:a + c], slots[a:a + c])
 
@@ -93,7 +91,7 @@ class DraftHead(nn.Module):
         drafts = []
         for _ in range(k):
             logits, hidden = self._step_checked(ids, tokens, hidden, positions)
-            with self._running():
+            with ops.running(self.backend, self.device):
                 tokens = argmax(logits)
             drafts.append(tokens)
             positions = positions + 1
@@ -115,22 +113,12 @@ class DraftHead(nn.Module):
         raise NotImplementedError
 
     # --- internals -----------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _running(self) -> Iterator[None]:
-        """The ops run under the head's backend, and Triton launches on the head's GPU (not the current one)."""
-        with ops.use_backend(self.backend):
-            if self.device.type == "cuda":
-                with torch.cuda.device(self.device):
-                    yield
-            else:
-                yield
-
     def _step_checked(self, ids: list[int], tokens, hidden, positions):
         plist = positions.tolist()
         slots = torch.cat([self.cache.commit(WritePlan(i, p, p)) for i, p in zip(ids, plist)])
         starts = torch.tensor([self.cache.seqs[i].start for i in ids], device=self.device)
         context_lens = positions - starts + 1
-        with self._running():
+        with ops.running(self.backend, self.device):
             return self._forward(tokens, hidden, positions, slots, self.cache.block_table(ids), context_lens)
 
     def _check_seq_ids(self, seq_ids) -> list[int]:

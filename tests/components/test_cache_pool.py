@@ -1,7 +1,6 @@
 """Pool sizing (DESIGN 7): one function, used by the head and by kv_reserve_bytes."""
 
 import pytest
-import torch
 
 import mtpfactory
 from mtpfactory.components.cache import drafter_pool_blocks
@@ -40,4 +39,3 @@ def test_kv_reserve_bytes_at_real_size_needs_no_build():
     cfg = mtpfactory.compose("+head=bf16_moe", "model=qwen3_next_80b")
     # 257 blocks * 8 seqs * 16 tokens * 2 kv heads * 256 dims * 2 (K, V) * 2 bytes
     assert mtpfactory.kv_reserve_bytes(cfg) == 257 * 8 * 16 * 2 * 256 * 2 * 2
-    assert torch.bfloat16.itemsize == 2

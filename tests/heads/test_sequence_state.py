@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import mtpfactory
+from seq_state import assert_unchanged, snapshot
 
 H, VOCAB, BLOCK = 64, 512, 16
 BASE = ("+head=dense", "runtime.dtype=float32", "runtime.device=cpu")
@@ -45,19 +46,6 @@ def step(head, seq: int, r: tuple[torch.Tensor, torch.Tensor], pos: int, i: int 
 def state(head, seq: int) -> tuple[int, int, list[int]]:
     s = head.cache.state(seq)
     return s.start, s.end, list(s.blocks)
-
-
-def snapshot(head):
-    """Everything a refused call must leave alone."""
-    seqs = {i: (s.start, s.end, list(s.blocks)) for i, s in head.cache.seqs.items()}
-    return seqs, head.cache.blocks_in_use, head.cache.k.clone(), head.cache.v.clone()
-
-
-def assert_unchanged(head, snap) -> None:
-    seqs, in_use, k, v = snap
-    assert {i: (s.start, s.end, list(s.blocks)) for i, s in head.cache.seqs.items()} == seqs
-    assert head.cache.blocks_in_use == in_use
-    assert torch.equal(head.cache.k, k) and torch.equal(head.cache.v, v)
 
 
 def assert_rel_close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-6) -> None:
