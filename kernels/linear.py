@@ -61,17 +61,25 @@ class GemvPlan:
 
 @dataclass(frozen=True)
 class TileTable:
-    """(BLOCK_N, BLOCK_K, split-K programs) by M class: M = 1 (FMA), M <= 16 and M <= 32 (tl.dot). BLOCK_K
-    counts weight elements. Under split-K the grid gets ceil(programs / N tiles) slices (none when the N
-    tiles alone reach that many; at most 8). Defaults: the fastest seen in sweeps on the H200 (CUDA graphs,
-    weights rotated past the L2) at N x K = 4096 x 2048, 2048 x 4096 and 1024 x 2048, BF16 and FP8 alike."""
-    m1: tuple[int, int, int] = (8, 512, 512)
-    m16: tuple[int, int, int] = (32, 128, 512)
-    m32: tuple[int, int, int] = (16, 256, 256)
+    """Tile sizes of one weight format: (BLOCK_N, BLOCK_K) by M class, M = 1 (FMA) and M <= 16, M <= 32
+    (tl.dot), for weights with many rows (LM heads). A weight with fewer than `min_tiles` N tiles (M = 1)
+    or 2 per SM (tl.dot) gets half the rows and twice the K per tile until it has them (BLOCK_K up to
+    `max_block_k_fma` / `max_block_k_dot`, BLOCK_N down to 1 / 32). Split-K then adds K slices while the N
+    tiles are fewer than one per SM (M = 1) or `dot_programs` (at most 8 slices). BLOCK_K counts weight
+    elements. The values are the fastest of the H200 sweeps of 2026-12-02 (`scripts/tune_gemv.py`: CUDA
+    graphs, weights rotated past the L2) at 151936 x 2048, 8192 x 2048 and 2048 x 4096."""
+    m1: tuple[int, int]
+    m16: tuple[int, int]
+    m32: tuple[int, int]
+    min_tiles: int = 1024
+    max_block_k_fma: int = 2048
+    max_block_k_dot: int = 256
+    dot_programs: int = 256
     min_block_k: int = 16                       # the smallest BLOCK_K: a GPU tl.dot needs K >= 16
 
 
-TILES_16BIT = TileTable()
+TILES_16BIT = TileTable(m1=(2, 1024), m16=(128, 128), m32=(128, 128))
+TILES_FP8 = TileTable(m1=(16, 256), m16=(64, 256), m32=(128, 128))
 _MAX_SPLITS = 8
 
 
@@ -94,18 +102,19 @@ def _block_m(m: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16BIT) -> GemvPlan:
-    """Tiles from `tiles` by M; BLOCK_K shrinks to K (rounded up to a power of two, at least
-    `tiles.min_block_k`). Unsplit GEMVs (M = 1) halve BLOCK_N while the grid has fewer programs than SMs
-    (small N); split-K adds K slices instead."""
+    """Tiles from `tiles` by M class, narrowed for weights with few rows as `TileTable` says; BLOCK_K
+    shrinks to K (rounded up to a power of two, at least `tiles.min_block_k`); `split_k` adds K slices
+    where the N tiles alone leave SMs idle."""
     bm = _block_m(m)
-    bn, bk, programs = tiles.m1 if bm == 1 else tiles.m16 if bm == 16 else tiles.m32
+    bn, bk = tiles.m1 if bm == 1 else tiles.m16 if bm == 16 else tiles.m32
+    min_tiles, min_bn, max_bk, programs = ((tiles.min_tiles, 1, tiles.max_block_k_fma, _SM_COUNT_H200) if bm == 1
+                                           else (2 * _SM_COUNT_H200, 32, tiles.max_block_k_dot, tiles.dot_programs))
+    while triton.cdiv(n, bn) < min_tiles and bn > min_bn:
+        bn, bk = bn // 2, min(2 * bk, max_bk)
     bk = min(bk, max(tiles.min_block_k, triton.next_power_of_2(max(k, 1))))
     n_tiles = triton.cdiv(n, bn)
-    if split_k:
-        return make_plan(m, n, k, bn, bk, splits=min(triton.cdiv(programs, n_tiles), _MAX_SPLITS), block_m=bm)
-    while bm == 1 and bn > 1 and triton.cdiv(n, bn) < _SM_COUNT_H200:
-        bn //= 2
-    return make_plan(m, n, k, bn, bk, block_m=bm)
+    splits = min(triton.cdiv(programs, n_tiles), _MAX_SPLITS) if split_k else 1
+    return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm)
 
 
 # --- kernels -------------------------------------------------------------------------------------------------
@@ -129,21 +138,29 @@ def _linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, k_per_sp
     k_start = pid_k * k_per_split
     if USE_DOT:
         acc = dot_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    elif BLOCK_M == 1:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
         offs_k = k_start + k0 + tl.arange(0, BLOCK_K)                # [BK]
         mask_k = offs_k < K
-        x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)                        # [BM, BK]
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
                     other=0.0).to(tl.float32)                        # [BN, BK]
-        if USE_DOT:
-            acc = dot_acc(x, w, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
+        if BLOCK_M == 1:                                             # x as a vector: no layout shuffle
+            x1 = tl.load(x_ptr + offs_k * stride_xk, mask=mask_k & (M > 0), other=0.0).to(tl.float32)
+            acc2 += x1[None, :] * w                                  # [BN, BK]
         else:
-            acc3 += x[:, None, :] * w[None, :, :]                    # [BM, BN, BK]
+            x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :],
+                        other=0.0).to(tl.float32)                    # [BM, BK]
+            if USE_DOT:
+                acc = dot_acc(x, w, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
+            else:
+                acc3 += x[:, None, :] * w[None, :, :]                # [BM, BN, BK]
     if USE_DOT:
         acc = dot_result(acc, SWAP_AB)                               # [BM, BN]
+    elif BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]                          # [1, BN]
     else:
         acc = tl.sum(acc3, axis=2)                                   # [BM, BN]
     if ROW_SCALE and not SPLIT:
@@ -266,10 +283,10 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     out = check_out(out, m, n, x)
     if m == 0 or n == 0:
         return out
-    plan = plan or plan_for(m, n, k, split_k)
+    scaled = weight_scale is not None
+    plan = plan or plan_for(m, n, k, split_k, TILES_FP8 if scaled else TILES_16BIT)
     part = partial_buffer(plan, m, n, x)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
-    scaled = weight_scale is not None
     _linear_kernel[grid](
         x, weight, weight_scale if scaled else out, out, part if part is not None else out, m, n, k,
         plan.k_per_split, x.stride(0), x.stride(1), weight.stride(0), out.stride(0), out.stride(1),

@@ -50,10 +50,10 @@ def _linear_nvfp4_native(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native)
 
-# The in-register decode makes the tl.dot path arithmetic-bound: wider N tiles and fewer K slices won (H200
-# sweep, 4096 x 2048, M = 8: 15 us with 2 slices of [16, 64, 128]); BLOCK_K >= 32, since each tl.dot sees
-# half the tile (the even or the odd elements).
-TILES_NVFP4 = TileTable(m1=(8, 512, 512), m16=(64, 128, 128), m32=(64, 64, 128), min_block_k=32)
+# M = 1 is bound by the decode arithmetic (wide N tiles share each x load across rows); on the tl.dot path
+# BLOCK_K >= 32, since each tl.dot sees half the tile (the even or the odd elements). H200 sweep 2026-12-02.
+TILES_NVFP4 = TileTable(m1=(64, 256), m16=(128, 64), m32=(128, 64), min_tiles=512, max_block_k_dot=128,
+                        min_block_k=32)
 
 
 @triton.jit
@@ -68,6 +68,18 @@ def _e4m3_bits_to_f32(b):
     """E4M3 bit patterns (int32) -> fp32 values times 2^-8, through fp16 bits."""
     bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
     return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_pair_f32(wb):
+    """Bytes of two E2M1 codes (int32, 0..255) -> the low and the high nibble's exact fp32 values, three
+    integer ops and one multiply each: shifting the code's sign bit to bit 31 and then arithmetically back
+    by 6 puts its exponent and mantissa at bits 24..22 (the mask clears the sign's copies and the other
+    nibble), an fp32 that reads as the E2M1 value times 2^-126 (code 1, the subnormal 0.5, lands on an fp32
+    subnormal, which the multiply keeps: no flush to zero); 2^126 makes it the value."""
+    lo = (((wb << 28) >> 6) & -2118123520).to(tl.float32, bitcast=True)   # mask 0x81C00000
+    hi = (((wb << 24) >> 6) & -2118123520).to(tl.float32, bitcast=True)
+    return lo * 8.507059173023462e37, hi * 8.507059173023462e37        # 2^126
 
 
 @triton.jit
@@ -94,6 +106,8 @@ def _linear_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K
     k_start = pid_k * k_per_split
     if USE_DOT:
         acc = dot_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    elif BLOCK_M == 1:
+        acc_b = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     else:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, HALF_K], dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
@@ -102,21 +116,34 @@ def _linear_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K
         byte = w_rows + (blk[None, :, None] * 8 + offs_i[None, None, :])
         wb = tl.load(byte, mask=mask_n[:, None, None] & mask_b[None, :, None], other=0).to(tl.int32)  # [BN, NB, 8]
         sb = tl.load(s_rows + blk[None, :], mask=mask_n[:, None] & mask_b[None, :], other=0).to(tl.int32)
-        scale = (_e4m3_bits_to_f32(sb) * 4194304.0)[:, :, None]       # [BN, NB, 1], E4M3 * 2^14
-        w_lo = tl.reshape(_e2m1_f16_bits(wb & 15) * scale, [BLOCK_N, HALF_K])  # [BN, BK/2] elements 2j
-        w_hi = tl.reshape(_e2m1_f16_bits(wb >> 4) * scale, [BLOCK_N, HALF_K])  # [BN, BK/2] elements 2j+1
-        pair = k_start + k0 + 2 * offs_p                             # [BK/2] even K index
-        x_mask = mask_m[:, None, None] & (pair < K)[None, :, None]
-        x = tl.load(x_rows + (pair[None, :, None] + tl.arange(0, 2)[None, None, :]) * stride_xk,
-                    mask=x_mask, other=0.0).to(tl.float32)           # [BM, BK/2, 2]
-        x_lo, x_hi = tl.split(x)                                     # [BM, BK/2] each
-        if USE_DOT:
-            acc = dot_acc(x_lo, w_lo, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
-            acc = dot_acc(x_hi, w_hi, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
+        if BLOCK_M == 1:
+            # GEMV: each 16-element block's sum of exact E2M1 values times x, then its scale once; x as
+            # [NB, 8, 2] (block, byte, nibble) so that it lines up with the bytes without a shuffle
+            xo = k_start + k0 + (offs_b[:, None, None] * 16 + offs_i[None, :, None] * 2
+                                 + tl.arange(0, 2)[None, None, :])   # [NB, 8, 2] K index
+            xv = tl.load(x_ptr + xo * stride_xk, mask=(xo < K) & (M > 0), other=0.0).to(tl.float32)
+            x_lo, x_hi = tl.split(xv)                                # [NB, 8] even and odd elements
+            c_lo, c_hi = _e2m1_pair_f32(wb)                          # [BN, NB, 8]
+            block_sum = tl.sum(c_lo * x_lo[None, :, :] + c_hi * x_hi[None, :, :], axis=2)   # [BN, NB]
+            acc_b += block_sum * (_e4m3_bits_to_f32(sb) * 256.0)     # exact E4M3 scale
         else:
-            acc3 += x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :]
+            scale = (_e4m3_bits_to_f32(sb) * 4194304.0)[:, :, None]   # [BN, NB, 1], E4M3 * 2^14
+            w_lo = tl.reshape(_e2m1_f16_bits(wb & 15) * scale, [BLOCK_N, HALF_K])  # [BN, BK/2] elements 2j
+            w_hi = tl.reshape(_e2m1_f16_bits(wb >> 4) * scale, [BLOCK_N, HALF_K])  # [BN, BK/2] elements 2j+1
+            pair = k_start + k0 + 2 * offs_p                         # [BK/2] even K index
+            x_mask = mask_m[:, None, None] & (pair < K)[None, :, None]
+            x = tl.load(x_rows + (pair[None, :, None] + tl.arange(0, 2)[None, None, :]) * stride_xk,
+                        mask=x_mask, other=0.0).to(tl.float32)       # [BM, BK/2, 2]
+            x_lo, x_hi = tl.split(x)                                 # [BM, BK/2] each
+            if USE_DOT:
+                acc = dot_acc(x_lo, w_lo, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
+                acc = dot_acc(x_hi, w_hi, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
+            else:
+                acc3 += x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :]
     if USE_DOT:
         acc = dot_result(acc, SWAP_AB)                               # [BM, BN]
+    elif BLOCK_M == 1:
+        acc = tl.sum(acc_b, axis=1)[None, :]                         # [1, BN]
     else:
         acc = tl.sum(acc3, axis=2)                                   # [BM, BN]
     if not SPLIT:

@@ -252,8 +252,10 @@ def test_drafter_prefill_on_and_off_write_the_same_kv(head):
         for h in (off, small):
             assert state(h, seq)[:2] == state(head, seq)[:2]
             got_k, got_v = seq_kv(h, seq)
-            torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(got_v, want_v, rtol=1e-6, atol=1e-6)
+            # fp32 projections of 40 rows at once or one by one sum K in a different order (the BLAS picks
+            # its kernel by M): a few fp32 ulps of values near 1 apart, so 1e-5, not bit equality
+            torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got_v, want_v, rtol=1e-5, atol=1e-5)
     for got in logits[1:]:
         assert_rel_close(got, logits[0])
     reset(off)

@@ -65,10 +65,11 @@ def test_matches_reference_with_planned_tiles(dtype, m, n, k, split_k):
 
 
 def test_planned_split_k_splits_tall_skinny_weights():
-    assert plan_for(1, 2048, 4096, False).splits == 1
-    fc = plan_for(1, 2048, 4096, True)                       # the fc of an MTP head: [2048, 4096]
+    assert plan_for(8, 2048, 4096, False).splits == 1
+    fc = plan_for(8, 2048, 4096, True)                       # the fc of an MTP head: [2048, 4096]
     assert fc.splits > 1 and fc.k_per_split % fc.block_k == 0 and fc.splits * fc.k_per_split >= 4096
-    assert plan_for(1, 7, 1024, True).splits > 1             # the planned split-K case tested above
+    assert plan_for(1, 2048, 4096, True).splits == 1         # a GEMV fills the SMs with narrow N tiles instead
+    assert plan_for(32, 5, 512, True).splits > 1             # the planned split-K case tested above
 
 
 @pytest.mark.parametrize("m", [1, 17])

@@ -57,14 +57,15 @@ def test_matches_reference_with_planned_tiles(dtype, m, n, k, split_k):
 
 
 @pytest.mark.parametrize("first,last", [(0, 8), (8, 16), (0, 16)])   # FMA path twice, tl.dot path
-def test_every_e4m3_value_decodes_exactly(first, last):
+def test_every_e4m3_value_decodes_exactly(first, last, device="cpu"):
     # All 254 finite E4M3 bit patterns (subnormals, both zeros, +-448) as a [16, 16] weight; x = rows of the
     # identity picks columns, so y[i, n] = w[n, first + i] * scale[n] with no rounding anywhere.
     bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)   # [254]
     weight = torch.cat([bits, bits[:2]]).view(16, 16).view(torch.float8_e4m3fn)          # [N=16, K=16]
     scale = torch.exp2(torch.arange(16.0) - 8)                                           # [16]
-    x = torch.eye(16)[first:last]
-    out = torch.full((last - first, 16), float("nan"))
+    weight, scale = weight.to(device), scale.to(device)
+    x = torch.eye(16, device=device)[first:last]
+    out = torch.full((last - first, 16), float("nan"), device=device)
     with ops.use_backend("triton"):
         linear_fp8_triton(x, weight, scale, out=out)
     assert torch.equal(out, (weight.float() * scale[:, None]).T[first:last])
@@ -113,6 +114,13 @@ def test_gpu_every_path(m):
     x, weight, scale = make_inputs(m, 4096, 2048, torch.bfloat16, seed=m, device="cuda")
     for plan in explicit_plans(m, 4096, 2048):
         check(x, weight, scale, plan=plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("first,last", [(0, 8), (8, 16), (0, 16)])
+def test_gpu_every_e4m3_value_decodes_exactly(first, last):
+    test_every_e4m3_value_decodes_exactly(first, last, device="cuda")
 
 
 @pytest.mark.gpu

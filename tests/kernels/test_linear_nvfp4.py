@@ -143,18 +143,22 @@ def test_gpu_matches_reference(dtype, m, n, k, split_k):
 @pytest.mark.parametrize("m", [1, 8, 32])
 def test_gpu_every_path(m):
     x, *w = make_inputs(m, 4096, 2048, torch.bfloat16, seed=m, device="cuda")
-    for plan in explicit_plans(m, 4096, 2048):
+    for plan in explicit_plans(m, 4096, 2048, first_block_k=32):
         check(x, *w, plan=plan)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_every_code_and_scale_decodes():
+    # x = rows of the identity read back every column of the [16, 256] weight exactly, on the tl.dot path
+    # (16 columns a launch) and on the FMA path (one a launch): every code pair under every scale pattern
     weight, scale, scale_2 = (t.cuda() for t in _all_codes_and_scales())
+    want = dequantize_nvfp4(weight, scale, scale_2).T.to(torch.bfloat16)                 # [256, 16]
+    eye = torch.eye(256, device="cuda", dtype=torch.bfloat16)
     for m in (1, 16):
-        x = torch.eye(256, device="cuda")[:m].to(torch.bfloat16)
-        out = linear_nvfp4_triton(x, weight, scale, scale_2)
-        assert torch.equal(out, dequantize_nvfp4(weight, scale, scale_2).T[:m].to(torch.bfloat16))
+        for first in range(0, 256, m):
+            out = linear_nvfp4_triton(eye[first:first + m], weight, scale, scale_2)
+            assert torch.equal(out, want[first:first + m]), (m, first)
 
 
 @pytest.mark.gpu

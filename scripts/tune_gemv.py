@@ -1,0 +1,132 @@
+"""Tile sweep for the GEMV / small-M GEMM providers on the GPU: which (BLOCK_N, BLOCK_K, warps, stages, K
+slices, swapped operands, weight decode) is fastest per format, shape and M. The winners go into the
+`TileTable`s of `kernels/linear.py` and `kernels/linear_nvfp4.py` by hand, with the sweep's date.
+
+Timing as `bench_kernels.py` (CUDA-graph replay over weight copies larger than L2, median), shorter runs.
+A time budget keeps it inside one device call; every result is appended to the JSON file as it comes.
+
+    python3 scripts/tune_gemv.py --json out.json [--budget-s 420] [--shapes lm_head_qwen,q_proj] [--ms 1,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+
+import torch
+
+from mtpfactory.kernels.linear import linear_triton, make_plan
+from mtpfactory.kernels.linear_fp8 import _linear_fp8_native, linear_fp8_triton
+from mtpfactory.kernels.linear_nvfp4 import _linear_nvfp4_native, linear_nvfp4_triton
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_kernels import SHAPES, copy_bandwidth, formats, weight_bytes  # noqa: E402
+
+# format -> (weights key, call(x, w, plan))
+FORMATS = {
+    "bf16": ("bf16", lambda x, w, p: linear_triton(x, w, plan=p)),
+    "fp8": ("fp8", lambda x, w, p: linear_fp8_triton(x, *w, plan=p)),
+    "nvfp4": ("nvfp4", lambda x, w, p: linear_nvfp4_triton(x, *w, plan=p)),
+}
+FMA_TILES = [(2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 512), (8, 1024), (16, 256), (16, 512),
+             (32, 256), (32, 512), (64, 256)]
+DOT_TILES = [(16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128)]
+
+
+def time_us(calls: list, rep_ms: int = 40) -> float:
+    from triton.testing import do_bench
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    return do_bench(g.replay, warmup=5, rep=rep_ms, return_mode="median") * 1e3 / len(calls)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--budget-s", type=float, default=420)
+    ap.add_argument("--shapes", default="lm_head_qwen,q_proj,fc")
+    ap.add_argument("--ms", default="1,32,8")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    args = ap.parse_args()
+    t_end = time.monotonic() + args.budget_s
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    out = open(args.json, "a")
+    for shape in args.shapes.split(","):
+        n, k = SHAPES[shape]
+        copies = max(2, -(-512 * 2**20 // (n * k * 2)))
+        w = formats(n, k, copies)
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for fname in args.formats.split(","):
+                key, call = FORMATS[fname]
+                floor_us = (weight_bytes(w[key][0]) + 2 * m * (n + k)) / bw * 1e6
+                w0 = w[key][0]
+                ref = (torch.nn.functional.linear(x.float(), w0.float()) if key == "bf16" else
+                       _linear_fp8_native(x.float(), *w0) if key == "fp8" else _linear_nvfp4_native(x.float(), *w0))
+                results = []
+
+                def run(plan):
+                    if time.monotonic() > t_end:
+                        return None
+                    try:
+                        y = call(x, w0, plan)
+                        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                        us = time_us([lambda t=t: call(x, t, plan) for t in w[key]])
+                    except Exception as e:  # noqa: BLE001  (a tile that does not compile is reported)
+                        print(f"  {shape} M={m} {fname} {plan} failed: {type(e).__name__} {str(e)[:80]}")
+                        return None
+                    rec = dict(shape=shape, n=n, k=k, m=m, format=fname, us=us, floor_us=floor_us,
+                               pct=100 * floor_us / us, err=err, plan=plan.__dict__)
+                    if err > 2e-2:
+                        print(f"  {shape} M={m} {fname} {plan}: WRONG, max error {err:.3g} of max |y|")
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
+                    results.append((us, plan))
+                    return us
+
+                if m == 1:
+                    grid = [make_plan(m, n, k, bn, bk, block_m=1, num_warps=nw, num_stages=2)
+                            for (bn, bk), nw in itertools.product(FMA_TILES, (4, 8)) if bk <= k]
+                else:
+                    grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=3)
+                            for (bn, bk), nw in itertools.product(DOT_TILES, (4, 8))
+                            if not (fname.startswith("nvfp4") and bk < 32)]
+                for p in grid:
+                    run(p)
+                results.sort(key=lambda r: r[0])
+                for _, p in results[:2]:  # refine the two best: stages, swapped operands, K slices
+                    d = dict(p.__dict__)
+                    for st in ((1, 4) if m > 1 else ()):      # stages do nothing on the FMA path
+                        run(make_plan(m, n, k, d["block_n"], d["block_k"], block_m=d["block_m"],
+                                      num_warps=d["num_warps"], num_stages=st))
+                    if m > 1:
+                        run(make_plan(m, n, k, d["block_n"], d["block_k"], block_m=d["block_m"],
+                                      num_warps=d["num_warps"], num_stages=d["num_stages"], swap_ab=True))
+                    if n <= 16384:
+                        for sp in (2, 4, 8):
+                            run(make_plan(m, n, k, d["block_n"], d["block_k"], splits=sp, block_m=d["block_m"],
+                                          num_warps=d["num_warps"], num_stages=d["num_stages"]))
+                results.sort(key=lambda r: r[0])
+                for us, p in results[:3]:
+                    print(f"{shape:12s} {n}x{k} M={m:<2d} {fname:10s} {us:9.2f} us  floor {floor_us:8.2f} us "
+                          f"{100 * floor_us / us:5.1f}%  {p}", flush=True)
+                if time.monotonic() > t_end:
+                    print("# time budget spent")
+                    return 0
+            del x
+        del w
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
