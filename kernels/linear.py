@@ -64,10 +64,12 @@ class TileTable:
     """Tile sizes of one weight format: (BLOCK_N, BLOCK_K) by M class, M = 1 (FMA) and M <= 16, M <= 32
     (tl.dot), for weights with many rows (LM heads). A weight with fewer than `min_tiles` N tiles (M = 1)
     or 2 per SM (tl.dot) gets half the rows and twice the K per tile until it has them (BLOCK_K up to
-    `max_block_k_fma` / `max_block_k_dot`, BLOCK_N down to 1 / 32). Split-K then adds K slices while the N
-    tiles are fewer than one per SM (M = 1) or `dot_programs` (at most 8 slices). BLOCK_K counts weight
-    elements. The values are the fastest of the H200 sweeps of 2026-12-02 (`scripts/tune_gemv.py`: CUDA
-    graphs, weights rotated past the L2) at 151936 x 2048, 8192 x 2048 and 2048 x 4096."""
+    `max_block_k_fma` / `max_block_k_dot`, BLOCK_N down to 1 / `min_block_n_dot`). Split-K then adds K
+    slices while the N tiles are fewer than one per SM (M = 1) or `dot_programs` (at most 8 slices). A
+    dot tile of at least `swap_ab_from` rows computes (W x^T)^T (the weight tile the dot's first operand).
+    BLOCK_K counts weight elements. The values are the fastest of the H200 sweeps of 2026-12-02 and -03
+    (`scripts/tune_gemv.py`: CUDA graphs, weights rotated past the L2) at 151936 x 2048, 8192 x 2048 and
+    2048 x 4096."""
     m1: tuple[int, int]
     m16: tuple[int, int]
     m32: tuple[int, int]
@@ -76,6 +78,8 @@ class TileTable:
     max_block_k_dot: int = 256
     dot_programs: int = 256
     min_block_k: int = 16                       # the smallest BLOCK_K: a GPU tl.dot needs K >= 16
+    min_block_n_dot: int = 32
+    swap_ab_from: int | None = None
 
 
 TILES_16BIT = TileTable(m1=(2, 1024), m16=(128, 128), m32=(128, 128))
@@ -108,13 +112,15 @@ def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16B
     bm = _block_m(m)
     bn, bk = tiles.m1 if bm == 1 else tiles.m16 if bm == 16 else tiles.m32
     min_tiles, min_bn, max_bk, programs = ((tiles.min_tiles, 1, tiles.max_block_k_fma, _SM_COUNT_H200) if bm == 1
-                                           else (2 * _SM_COUNT_H200, 32, tiles.max_block_k_dot, tiles.dot_programs))
+                                           else (2 * _SM_COUNT_H200, tiles.min_block_n_dot, tiles.max_block_k_dot,
+                                                 tiles.dot_programs))
     while triton.cdiv(n, bn) < min_tiles and bn > min_bn:
         bn, bk = bn // 2, min(2 * bk, max_bk)
     bk = min(bk, max(tiles.min_block_k, triton.next_power_of_2(max(k, 1))))
     n_tiles = triton.cdiv(n, bn)
     splits = min(triton.cdiv(programs, n_tiles), _MAX_SPLITS) if split_k else 1
-    return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm)
+    swap = bm > 1 and tiles.swap_ab_from is not None and bn >= tiles.swap_ab_from
+    return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm, swap_ab=swap)
 
 
 # --- kernels -------------------------------------------------------------------------------------------------

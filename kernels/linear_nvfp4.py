@@ -3,17 +3,21 @@ weight_scale_2)^T, weight uint8 [N, K/2] (element 2j in the low nibble), weight_
 weight_scale_2 one fp32 number.
 
 Hopper has no FP4 tensor cores and `tl.dot_scaled` with e2m1 does not compile there (Triton 3.6), so the
-Triton provider decodes in registers, inside `linear.py`'s GEMV / small-M GEMM loop:
-- a K tile is NB = BLOCK_K / 16 scale blocks of 8 bytes: bytes [BN, NB, 8], scales [BN, NB];
-- an E2M1 code becomes fp16 bits with three integer ops, `(c & 7) << 9 | (c & 8) << 12`, whose value is
-  exactly the E2M1 value times 2^-14 (code 1, the E2M1 subnormal 0.5, lands on an fp16 subnormal, which
-  the fp16 -> fp32 conversion keeps exact); an E4M3 scale likewise becomes fp16 bits
-  `(b & 0x7f) << 7 | (b & 0x80) << 8`, its value times 2^-8; decoded code * (decoded scale * 2^22) is
-  then exactly E2M1 value * E4M3 scale, which fits fp32 and bf16/fp16 (at most 6 significant bits), so
-  the tensor cores see exact weights;
-- the low nibbles meet the even elements of x and the high nibbles the odd ones (x is loaded as
-  [BM, BK/2, 2] and split), so codes are never interleaved;
-- the per-tensor `weight_scale_2` multiplies the fp32 sum once (loaded on the device: no host sync).
+Triton provider decodes in registers; it shares `linear.py`'s plan and split-K reduction. The weight is
+read as int32 words of 8 codes (element 8w + 2j in byte j's low nibble, 8w + 2j + 1 in its high one):
+- `_e2m1_words_to_e4m3`: shifts and masks turn a word into two words of E4M3 bytes, the even and the odd
+  elements, four codes per integer op; each byte is exactly the E2M1 value times 2^-6 (E2M1's exponent and
+  mantissa land in the E4M3 exponent's low bits and mantissa's top bit; the E2M1 subnormal 0.5 lands on an
+  E4M3 subnormal);
+- on the GPU the hardware widens E4M3 pairs to fp16 pairs (`cvt.rn.f16x2.e4m3x2`, inline PTX; the
+  interpreter, which has no inline asm, decodes the same bits through fp16); E4M3 scales become fp16 bits
+  `(b & 0x7f) << 7 | (b & 0x80) << 8`, their value times 2^-8;
+- M = 1 (`_gemv_nvfp4_kernel`): CUDA-core FMAs of the exact E2M1 values with x, each 16-element block's sum
+  times its scale once; 2 <= M <= 32 (`_gemm_nvfp4_kernel`): each value times its block scale in fp16
+  (exact: at most 6 significant bits, at least 2^-16), the word's eight elements joined back into K order,
+  `tl.dot` on bf16 operands (exact weights, fp32 accumulation);
+- the decode's 2^-6 and the per-tensor `weight_scale_2` multiply the fp32 sums once (`weight_scale_2`
+  loaded on the device: no host sync).
 E4M3 0x7f/0xff (NaN) decodes to +-480, not NaN: the quantizer never stores it and the loader refuses it.
 """
 
@@ -50,17 +54,13 @@ def _linear_nvfp4_native(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native)
 
-# M = 1 is bound by the decode arithmetic (wide N tiles share each x load across rows); on the tl.dot path
-# BLOCK_K >= 32, since each tl.dot sees half the tile (the even or the odd elements). H200 sweep 2026-12-02.
-TILES_NVFP4 = TileTable(m1=(64, 256), m16=(128, 64), m32=(128, 64), min_tiles=512, max_block_k_dot=128,
-                        min_block_k=32)
-
-
-@triton.jit
-def _e2m1_f16_bits(code):
-    """4-bit E2M1 codes (int32) -> fp32 values times 2^-14, through fp16 bits."""
-    bits = ((code & 7) << 9) | ((code & 8) << 12)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+# From the H200 sweeps (scripts/tune_gemv.py): M = 1, 2026-12-02, is bound by the decode arithmetic
+# (151936 x 2048 at (32, 256): 76.3 us; 8192 x 2048 and 2048 x 4096 narrow to (16, 512) and (4, 2048), 512
+# tiles); the tensor-core path, 2026-12-03, wants the decoded tile as the dot's first operand where it has
+# 64 rows or more (151936 x 2048: 249 us against 299 at M = 32) and 16-row tiles on the small weights
+# (2048 x 4096, M = 8: 19.0 us at (16, 256) split in 2, against 31.8 at 32 rows); BLOCK_K >= 32.
+TILES_NVFP4 = TileTable(m1=(32, 256), m16=(128, 128), m32=(128, 64), min_tiles=512, min_block_k=32,
+                        min_block_n_dot=16, swap_ab_from=64)
 
 
 @triton.jit
@@ -71,81 +71,159 @@ def _e4m3_bits_to_f32(b):
 
 
 @triton.jit
-def _e2m1_pair_f32(wb):
-    """Bytes of two E2M1 codes (int32, 0..255) -> the low and the high nibble's exact fp32 values, three
-    integer ops and one multiply each: shifting the code's sign bit to bit 31 and then arithmetically back
-    by 6 puts its exponent and mantissa at bits 24..22 (the mask clears the sign's copies and the other
-    nibble), an fp32 that reads as the E2M1 value times 2^-126 (code 1, the subnormal 0.5, lands on an fp32
-    subnormal, which the multiply keeps: no flush to zero); 2^126 makes it the value."""
-    lo = (((wb << 28) >> 6) & -2118123520).to(tl.float32, bitcast=True)   # mask 0x81C00000
-    hi = (((wb << 24) >> 6) & -2118123520).to(tl.float32, bitcast=True)
-    return lo * 8.507059173023462e37, hi * 8.507059173023462e37        # 2^126
+def _e2m1_words_to_e4m3(w):
+    """int32 words of 8 E2M1 codes (4 bytes; element 2j in byte j's low nibble) -> two words of 4 E4M3
+    bytes, the even elements and the odd ones, each E4M3 byte exactly the E2M1 value times 2^-6: the code's
+    exponent and mantissa (e1 e0 m) become the E4M3 exponent's low bits and mantissa's top bit (e = 0,
+    the E2M1 subnormal, lands on the E4M3 subnormals), its sign the E4M3 sign; four bytes per operation."""
+    even = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & -0x7F7F7F80)        # mask 0x80808080
+    odd = ((w >> 2) & 0x1C1C1C1C) | (w & -0x7F7F7F80)
+    return even, odd
 
 
 @triton.jit
-def _linear_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
-                         stride_xm, stride_xk, stride_wn, stride_sn, stride_om, stride_on,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_DOT: tl.constexpr, LOWP_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
-                         SPLIT: tl.constexpr):
-    NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks in a K tile
-    HALF_K: tl.constexpr = BLOCK_K // 2                              # bytes (element pairs) in a K tile
+def _e4m3x4_f32(w, USE_ASM: tl.constexpr):
+    """int32 words of 4 E4M3 bytes -> their 4 fp32 values (byte 0 first): on the GPU the hardware's
+    E4M3x2 -> FP16x2 conversion and FP16 -> FP32 (PTX), in the interpreter (no inline asm) the same values
+    through fp16 bits."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi, a0, a1, b0, b1;
+            .reg .b32 a, b;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 a, lo;
+            cvt.rn.f16x2.e4m3x2 b, hi;
+            mov.b32 {a0, a1}, a;
+            mov.b32 {b0, b1}, b;
+            cvt.f32.f16 $0, a0;
+            cvt.f32.f16 $1, a1;
+            cvt.f32.f16 $2, b0;
+            cvt.f32.f16 $3, b1;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[w],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        return (_e4m3_bits_to_f32(w & 0xFF) * 256.0, _e4m3_bits_to_f32((w >> 8) & 0xFF) * 256.0,
+                _e4m3_bits_to_f32((w >> 16) & 0xFF) * 256.0, _e4m3_bits_to_f32((w >> 24) & 0xFF) * 256.0)
+
+
+@triton.jit
+def _e4m3x4_scaled_f32(w, scale, USE_ASM: tl.constexpr):
+    """int32 words of 4 E4M3 bytes, each times `scale` (fp32 holding an E4M3 value, exact in fp16) -> 4 fp32
+    values (byte 0 first). On the GPU the products are formed in fp16 pairs (E4M3x2 -> FP16x2, one FP16x2
+    multiply), exact when they hold at most 11 significant bits above 2^-24 (E2M1-on-E4M3 bytes times an
+    E4M3 scale: at most 6 bits, at least 2^-16), then widened to fp32."""
+    if USE_ASM:
+        s16 = scale.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi, a0, a1, b0, b1;
+            .reg .b32 a, b, s;
+            mov.b32 {lo, hi}, $4;
+            mov.b32 s, {$5, $5};
+            cvt.rn.f16x2.e4m3x2 a, lo;
+            cvt.rn.f16x2.e4m3x2 b, hi;
+            mul.rn.f16x2 a, a, s;
+            mul.rn.f16x2 b, b, s;
+            mov.b32 {a0, a1}, a;
+            mov.b32 {b0, b1}, b;
+            cvt.f32.f16 $0, a0;
+            cvt.f32.f16 $1, a1;
+            cvt.f32.f16 $2, b0;
+            cvt.f32.f16 $3, b1;
+            }""",
+            constraints="=r,=r,=r,=r,r,h", args=[w, s16.to(tl.int16)],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        e0, e1, e2, e3 = _e4m3x4_f32(w, USE_ASM)
+        return e0 * scale, e1 * scale, e2 * scale, e3 * scale
+
+
+@triton.jit
+def _gemv_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_per_split,
+                       stride_xk, stride_wn, stride_sn, stride_on,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+    """M = 1: out[n] = sum_k x[k] * w[n, k], the weight read as int32 words of 8 codes (w_ptr: the bytes
+    viewed as int32, stride_wn in words). Each word becomes two words of E4M3 bytes (four codes per integer
+    op), the hardware widens those to fp32, the FMAs run on exact E2M1 values; each 16-element block's sum
+    is multiplied by its scale once, 2^6 and `weight_scale_2` by the row's sum."""
+    W: tl.constexpr = BLOCK_K // 8                                   # words of a K tile
+    NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # [BN]
+    mask_n = offs_n < N
+    n64 = offs_n.to(tl.int64)
+    k_start = pid_k * k_per_split
+    acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        word = (k_start + k0) // 8 + tl.arange(0, W)                 # [W] word index along the row
+        mask_w = word < K // 8
+        wv = tl.load(w_ptr + n64[:, None] * stride_wn + word[None, :], mask=mask_n[:, None] & mask_w[None, :],
+                     other=0)                                        # [BN, W] int32
+        even, odd = _e2m1_words_to_e4m3(wv)
+        e0, e2, e4, e6 = _e4m3x4_f32(even, USE_ASM)                  # [BN, W] elements 8w + 0, 2, 4, 6
+        e1, e3, e5, e7 = _e4m3x4_f32(odd, USE_ASM)                   # elements 8w + 1, 3, 5, 7
+        xp = x_ptr + word * 8 * stride_xk                            # [W]
+        p = e0 * tl.load(xp, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+        p += e1 * tl.load(xp + stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+        p += e2 * tl.load(xp + 2 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+        p += e3 * tl.load(xp + 3 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+        p += e4 * tl.load(xp + 4 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+        p += e5 * tl.load(xp + 5 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+        p += e6 * tl.load(xp + 6 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+        p += e7 * tl.load(xp + 7 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]   # [BN, W]
+        block_sum = tl.sum(tl.reshape(p, [BLOCK_N, NB, 2]), axis=2)  # [BN, NB]: two words a block
+        blk = (k_start + k0) // 16 + tl.arange(0, NB)                # [NB]
+        sb = tl.load(s_ptr + n64[:, None] * stride_sn + blk[None, :], mask=mask_n[:, None] & (blk < K // 16)[None, :],
+                     other=0).to(tl.int32)                           # [BN, NB] E4M3 bits
+        acc += block_sum * (_e4m3_bits_to_f32(sb) * 256.0)
+    acc = tl.sum(acc, axis=1) * 64.0                                 # [BN]; the decode's 2^-6 undone
+    if SPLIT:
+        tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
+    else:
+        acc = acc * tl.load(s2_ptr)
+        tl.store(out_ptr + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _gemm_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
+                       stride_xm, stride_xk, stride_wn, stride_sn, stride_om, stride_on,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       LOWP_DOT: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+    """2 <= M <= 32 on the tensor cores: the weight read as int32 words of 8 codes (w_ptr: the bytes viewed
+    as int32, stride_wn in words), decoded as in `_gemv_nvfp4_kernel` to exact E2M1 values, each times its
+    block's E4M3 scale (exact in bf16: at most 6 significant bits), the eight elements of a word put back
+    in K order in registers, then `tl.dot` with x."""
+    W: tl.constexpr = BLOCK_K // 8                                   # words of a K tile
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # [BN]
-    offs_b = tl.arange(0, NB)                                        # [NB]
-    offs_i = tl.arange(0, 8)                                         # [8] bytes of a block
-    offs_p = tl.arange(0, HALF_K)                                    # [BK/2] element pairs
     mask_m = offs_m < M
     mask_n = offs_n < N
     n64 = offs_n.to(tl.int64)
-    x_rows = x_ptr + offs_m[:, None, None] * stride_xm               # [BM, 1, 1]
-    w_rows = w_ptr + n64[:, None, None] * stride_wn                  # [BN, 1, 1]
-    s_rows = s_ptr + n64[:, None] * stride_sn                        # [BN, 1]
     k_start = pid_k * k_per_split
-    if USE_DOT:
-        acc = dot_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    elif BLOCK_M == 1:
-        acc_b = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
-    else:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, HALF_K], dtype=tl.float32)
+    acc = dot_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, k_per_split, BLOCK_K):
-        blk = (k_start + k0) // 16 + offs_b                          # [NB] scale-block index along K
-        mask_b = blk < K // 16
-        byte = w_rows + (blk[None, :, None] * 8 + offs_i[None, None, :])
-        wb = tl.load(byte, mask=mask_n[:, None, None] & mask_b[None, :, None], other=0).to(tl.int32)  # [BN, NB, 8]
-        sb = tl.load(s_rows + blk[None, :], mask=mask_n[:, None] & mask_b[None, :], other=0).to(tl.int32)
-        if BLOCK_M == 1:
-            # GEMV: each 16-element block's sum of exact E2M1 values times x, then its scale once; x as
-            # [NB, 8, 2] (block, byte, nibble) so that it lines up with the bytes without a shuffle
-            xo = k_start + k0 + (offs_b[:, None, None] * 16 + offs_i[None, :, None] * 2
-                                 + tl.arange(0, 2)[None, None, :])   # [NB, 8, 2] K index
-            xv = tl.load(x_ptr + xo * stride_xk, mask=(xo < K) & (M > 0), other=0.0).to(tl.float32)
-            x_lo, x_hi = tl.split(xv)                                # [NB, 8] even and odd elements
-            c_lo, c_hi = _e2m1_pair_f32(wb)                          # [BN, NB, 8]
-            block_sum = tl.sum(c_lo * x_lo[None, :, :] + c_hi * x_hi[None, :, :], axis=2)   # [BN, NB]
-            acc_b += block_sum * (_e4m3_bits_to_f32(sb) * 256.0)     # exact E4M3 scale
-        else:
-            scale = (_e4m3_bits_to_f32(sb) * 4194304.0)[:, :, None]   # [BN, NB, 1], E4M3 * 2^14
-            w_lo = tl.reshape(_e2m1_f16_bits(wb & 15) * scale, [BLOCK_N, HALF_K])  # [BN, BK/2] elements 2j
-            w_hi = tl.reshape(_e2m1_f16_bits(wb >> 4) * scale, [BLOCK_N, HALF_K])  # [BN, BK/2] elements 2j+1
-            pair = k_start + k0 + 2 * offs_p                         # [BK/2] even K index
-            x_mask = mask_m[:, None, None] & (pair < K)[None, :, None]
-            x = tl.load(x_rows + (pair[None, :, None] + tl.arange(0, 2)[None, None, :]) * stride_xk,
-                        mask=x_mask, other=0.0).to(tl.float32)       # [BM, BK/2, 2]
-            x_lo, x_hi = tl.split(x)                                 # [BM, BK/2] each
-            if USE_DOT:
-                acc = dot_acc(x_lo, w_lo, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
-                acc = dot_acc(x_hi, w_hi, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
-            else:
-                acc3 += x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :]
-    if USE_DOT:
-        acc = dot_result(acc, SWAP_AB)                               # [BM, BN]
-    elif BLOCK_M == 1:
-        acc = tl.sum(acc_b, axis=1)[None, :]                         # [1, BN]
-    else:
-        acc = tl.sum(acc3, axis=2)                                   # [BM, BN]
+        word = (k_start + k0) // 8 + tl.arange(0, W)                 # [W] word index along the row
+        mask_w = mask_n[:, None] & (word < K // 8)[None, :]
+        wv = tl.load(w_ptr + n64[:, None] * stride_wn + word[None, :], mask=mask_w, other=0)   # [BN, W] int32
+        sb = tl.load(s_ptr + n64[:, None] * stride_sn + word[None, :] // 2, mask=mask_w, other=0).to(tl.int32)
+        scale = _e4m3_bits_to_f32(sb) * 256.0                        # [BN, W]: the word's block scale
+        even, odd = _e2m1_words_to_e4m3(wv)
+        e0, e2, e4, e6 = _e4m3x4_scaled_f32(even, scale, USE_ASM)    # E2M1 value * scale * 2^-6
+        e1, e3, e5, e7 = _e4m3x4_scaled_f32(odd, scale, USE_ASM)
+        # t[n, w, p, q, r] = element 8w + 4p + 2q + r: the reshape puts each word's elements in K order
+        t = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)),
+                    tl.join(tl.join(e1, e5), tl.join(e3, e7)))       # [BN, W, 2, 2, 2]
+        w = tl.reshape(t, [BLOCK_N, BLOCK_K])                        # [BN, BK]
+        offs_k = (k_start + k0) + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)   # [BM, BK]
+        acc = dot_acc(x, w, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
+    acc = dot_result(acc, SWAP_AB) * 64.0                            # [BM, BN]; the decode's 2^-6 undone
     if not SPLIT:
         acc = acc * tl.load(s2_ptr)
     store_tile(acc, out_ptr, part_ptr, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om, stride_on, SPLIT)
@@ -155,30 +233,43 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                         weight_scale_2: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,
                         plan: GemvPlan | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize_nvfp4(weight [N, K/2], weight_scale [N, K/16], weight_scale_2)^T -> [M, N] in
-    x's dtype; arguments as `linear_triton` (a `plan`'s block_k must be a multiple of 16)."""
+    x's dtype; arguments as `linear_triton` (a `plan`'s block_k must be a multiple of 16, its block_m 1, 16
+    or 32)."""
     m, k = x.shape
     n = weight.shape[0]
-    if k % NVFP4_BLOCK or weight.shape[1] * 2 != k or weight.stride(1) != 1:
-        raise ValueError(f"x is [{m}, {k}], weight {tuple(weight.shape)} with strides {weight.stride()}: NVFP4 "
-                         "needs K a multiple of 16 and a row-major uint8 [N, K/2] weight")
+    if (k % NVFP4_BLOCK or weight.shape[1] * 2 != k or weight.stride(1) != 1 or weight.stride(0) % 4
+            or weight.storage_offset() % 4):
+        raise ValueError(f"x is [{m}, {k}], weight {tuple(weight.shape)} with strides {weight.stride()} at offset "
+                         f"{weight.storage_offset()}: NVFP4 needs K a multiple of 16 and a row-major uint8 "
+                         "[N, K/2] weight whose rows start on 4-byte boundaries (it is read as int32 words); "
+                         "pass weight.contiguous()")
     out = check_out(out, m, n, x)
     if m == 0 or n == 0:
         return out
     plan = plan or plan_for(m, n, k, split_k, TILES_NVFP4)
-    if plan.block_k % NVFP4_BLOCK or (plan.use_dot and plan.block_k < 32):
-        raise ValueError(f"plan.block_k = {plan.block_k}: NVFP4 tiles hold whole 16-element blocks, and on the "
-                         "tl.dot path (block_m >= 16) at least 32 elements (a dot takes K >= 16); use a "
-                         "multiple of 16, 32 or more for the dot")
+    if plan.block_k % NVFP4_BLOCK or (plan.use_dot and plan.block_k < 32) or 1 < plan.block_m < 16:
+        raise ValueError(f"plan: block_m = {plan.block_m}, block_k = {plan.block_k}; NVFP4 tiles hold whole "
+                         "16-element blocks (block_k a multiple of 16, at least 32 on the tl.dot path, where a "
+                         "dot takes K >= 16), and M runs as a GEMV (block_m = 1) or on the tensor cores "
+                         "(block_m 16 or 32): use one of those")
     part = partial_buffer(plan, m, n, x)
+    words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     scale_2 = weight_scale_2.reshape(1)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
-    _linear_nvfp4_kernel[grid](
-        x, weight, scale_bits, scale_2, out, part if part is not None else out, m, n, k, plan.k_per_split,
-        x.stride(0), x.stride(1), weight.stride(0), scale_bits.stride(0), out.stride(0), out.stride(1),
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, USE_DOT=plan.use_dot,
-        LOWP_DOT=lowp_dot(x), SWAP_AB=plan.swap_ab, SPLIT=part is not None, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+    if plan.block_m == 1:
+        _gemv_nvfp4_kernel[grid](
+            x, words, scale_bits, scale_2, out, part if part is not None else out, n, k, plan.k_per_split,
+            x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
+            BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT=part is not None, USE_ASM=x.is_cuda,
+            num_warps=plan.num_warps, num_stages=plan.num_stages)
+    else:
+        _gemm_nvfp4_kernel[grid](
+            x, words, scale_bits, scale_2, out, part if part is not None else out, m, n, k, plan.k_per_split,
+            x.stride(0), x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(0), out.stride(1),
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, LOWP_DOT=lowp_dot(x),
+            SWAP_AB=plan.swap_ab, SPLIT=part is not None, USE_ASM=x.is_cuda, num_warps=plan.num_warps,
+            num_stages=plan.num_stages)
     if part is not None:
         splitk_reduce(part, out, scale_2, scale_mode=2)
     return out
@@ -190,7 +281,7 @@ def _linear_nvfp4_supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
         return False
     n, k = weight.shape[0], 2 * weight.shape[1]
     return (triton_can_run(x, weight, weight_scale, weight_scale_2) and k % NVFP4_BLOCK == 0
-            and weight.dtype == torch.uint8 and weight.is_contiguous()
+            and weight.dtype == torch.uint8 and weight.is_contiguous() and weight.storage_offset() % 4 == 0
             and weight_scale.dtype == torch.float8_e4m3fn and tuple(weight_scale.shape) == (n, k // NVFP4_BLOCK)
             and weight_scale.stride(1) == 1
             and weight_scale_2.dtype == torch.float32 and weight_scale_2.numel() == 1

@@ -3,7 +3,8 @@
 # lacks, run the GPU tests, then the kernel benchmark; logs and JSON go under $OUT.
 #   here:   bash ../shared/tools/gpu-wheels.sh --peers      (puts hydra, omegaconf, antlr, gemlite in .whl/)
 #   device: run(command="bash scripts/device_run.sh", carry=[".whl"])
-# GPU_TESTS=0 or BENCH=0 skips a part; BENCH_ARGS passes options to scripts/bench_kernels.py.
+# GPU_TESTS=0 or BENCH=0 skips a part; GPU_TEST_ARGS picks tests (default: all of tests/); BENCH_ARGS passes
+# options to scripts/bench_kernels.py; TUNE_ARGS, when set, runs scripts/tune_gemv.py with them first.
 set -uo pipefail
 OUT=${OUT:-/tmp/mtpf-out}
 mkdir -p "$OUT"
@@ -14,9 +15,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 rc=0
 if [[ "${GPU_TESTS:-1}" == 1 ]]; then
   # -P: keep the checkout's mtpfactory/ off sys.path, so the installed package (with mtpfactory.kernels) is used
-  timeout "${GPU_TEST_S:-300}" python3 -P -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1
+  timeout "${GPU_TEST_S:-300}" python3 -P -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-tests} > "$OUT/gpu_tests.log" 2>&1
   rc=$?
   tail -n 25 "$OUT/gpu_tests.log"
+fi
+if [[ -n "${TUNE_ARGS:-}" ]]; then
+  timeout "${TUNE_S:-420}" python3 -P scripts/tune_gemv.py --json "$OUT/tune.json" $TUNE_ARGS 2>&1 | tee "$OUT/tune.log"
 fi
 if [[ "${BENCH:-1}" == 1 ]]; then
   timeout "${BENCH_S:-420}" python3 -P scripts/bench_kernels.py --json "$OUT/gemv.json" ${BENCH_ARGS:-} 2>&1 |

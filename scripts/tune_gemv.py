@@ -32,8 +32,8 @@ FORMATS = {
     "nvfp4": ("nvfp4", lambda x, w, p: linear_nvfp4_triton(x, *w, plan=p)),
 }
 FMA_TILES = [(2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 512), (8, 1024), (16, 256), (16, 512),
-             (32, 256), (32, 512), (64, 256)]
-DOT_TILES = [(16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128)]
+             (32, 256), (32, 512), (64, 256), (64, 512), (128, 128), (128, 256)]
+DOT_TILES = [(16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128), (256, 64)]
 
 
 def time_us(calls: list, rep_ms: int = 40) -> float:
@@ -97,9 +97,10 @@ def main() -> int:
                     grid = [make_plan(m, n, k, bn, bk, block_m=1, num_warps=nw, num_stages=2)
                             for (bn, bk), nw in itertools.product(FMA_TILES, (4, 8)) if bk <= k]
                 else:
-                    grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=3)
-                            for (bn, bk), nw in itertools.product(DOT_TILES, (4, 8))
-                            if not (fname.startswith("nvfp4") and bk < 32)]
+                    swaps = (False, True) if fname == "nvfp4" else (False,)   # NVFP4: the decoded tile as A too
+                    grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=3, swap_ab=sw)
+                            for (bn, bk), nw, sw in itertools.product(DOT_TILES, (4, 8), swaps)
+                            if not (fname == "nvfp4" and bk < 32)]
                 for p in grid:
                     run(p)
                 results.sort(key=lambda r: r[0])
@@ -107,14 +108,15 @@ def main() -> int:
                     d = dict(p.__dict__)
                     for st in ((1, 4) if m > 1 else ()):      # stages do nothing on the FMA path
                         run(make_plan(m, n, k, d["block_n"], d["block_k"], block_m=d["block_m"],
-                                      num_warps=d["num_warps"], num_stages=st))
-                    if m > 1:
+                                      num_warps=d["num_warps"], num_stages=st, swap_ab=d["swap_ab"]))
+                    if m > 1 and not d["swap_ab"]:
                         run(make_plan(m, n, k, d["block_n"], d["block_k"], block_m=d["block_m"],
                                       num_warps=d["num_warps"], num_stages=d["num_stages"], swap_ab=True))
                     if n <= 16384:
                         for sp in (2, 4, 8):
                             run(make_plan(m, n, k, d["block_n"], d["block_k"], splits=sp, block_m=d["block_m"],
-                                          num_warps=d["num_warps"], num_stages=d["num_stages"]))
+                                          num_warps=d["num_warps"], num_stages=d["num_stages"],
+                                          swap_ab=d["swap_ab"]))
                 results.sort(key=lambda r: r[0])
                 for us, p in results[:3]:
                     print(f"{shape:12s} {n}x{k} M={m:<2d} {fname:10s} {us:9.2f} us  floor {floor_us:8.2f} us "

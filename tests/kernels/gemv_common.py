@@ -32,15 +32,16 @@ def poisoned(m: int, n: int, dtype: torch.dtype, device: str = "cpu") -> torch.T
     return torch.full((m, n), float("nan"), dtype=dtype, device=device)
 
 
-def explicit_plans(m: int, n: int, k: int, first_block_k: int = 16) -> list:
+def explicit_plans(m: int, n: int, k: int, first_block_k: int = 16, fma_m: bool = True) -> list:
     """Tiles smaller than the shapes tested (several N tiles and K chunks, the last of each partial) on
-    every path: tl.dot, tl.dot with swapped operands, CUDA-core FMAs (M <= 8), unsplit and split-K over
-    2 or 3 slices (the last one shorter)."""
+    every path: tl.dot, tl.dot with swapped operands, CUDA-core FMAs (M <= 8: a GEMV for M = 1, and with
+    `fma_m` an FMA tile of 2, 4 or 8 rows for M > 1), unsplit and split-K over 2 or 3 slices (the last one
+    shorter)."""
     bm_dot = 16 if m <= 16 else 32
     plans = [make_plan(m, n, k, block_n=16, block_k=first_block_k, block_m=bm_dot),
              make_plan(m, n, k, block_n=32, block_k=32, splits=3, block_m=bm_dot),
              make_plan(m, n, k, block_n=16, block_k=32, splits=2, block_m=bm_dot, swap_ab=True)]
-    if m <= 8:
+    if m == 1 or (m <= 8 and fma_m):
         bm_fma = 1 << (m - 1).bit_length()
         plans += [make_plan(m, n, k, block_n=8, block_k=16, block_m=bm_fma),
                   make_plan(m, n, k, block_n=16, block_k=32, splits=3, block_m=bm_fma)]

@@ -15,10 +15,11 @@ import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError
-from mtpfactory.kernels.linear import make_plan
+from mtpfactory.kernels.linear import make_plan, plan_for
 from mtpfactory.kernels.linear_nvfp4 import (
     _linear_nvfp4_native,
     _linear_nvfp4_supports,
+    TILES_NVFP4,
     linear_nvfp4,
     linear_nvfp4_triton,
 )
@@ -52,7 +53,7 @@ def check(x, weight, scale, scale_2, **kwargs) -> None:
 def test_matches_reference_with_explicit_tiles(dtype, m, n, k):
     x, *w = make_inputs(m, n, k, dtype, seed=m * 1000 + n)
     with ops.use_backend("triton"):
-        for plan in explicit_plans(m, n, k, first_block_k=32):
+        for plan in explicit_plans(m, n, k, first_block_k=32, fma_m=False):
             check(x, *w, plan=plan)
 
 
@@ -83,7 +84,7 @@ def test_every_code_and_scale_decodes(m):
         check(x, weight, scale, scale_2, plan=make_plan(m, 16, 256, block_n=8, block_k=64))
 
 
-@pytest.mark.parametrize("first,last", [(0, 8), (8, 16), (0, 16)])   # FMA path twice, tl.dot path
+@pytest.mark.parametrize("first,last", [(0, 1), (9, 10), (0, 8), (8, 16)])   # GEMV twice, tl.dot twice
 def test_nibble_order_exact(first, last):
     # x = rows of the identity picks single columns: y[i, n] = w[n, first + i] exactly, so a swapped
     # nibble, a shifted scale block or a wrong sign shows as an exact mismatch.
@@ -125,6 +126,32 @@ def test_plan_block_k_must_hold_whole_blocks():
         linear_nvfp4_triton(x, *w, plan=make_plan(1, 7, 32, block_n=8, block_k=8))
 
 
+def test_planned_nvfp4_tiles():
+    # wide weights: the decoded tile is the dot's first operand; small ones: 16-row tiles, split-K to fill
+    lm_head = plan_for(32, 151936, 2048, True, TILES_NVFP4)
+    assert (lm_head.block_m, lm_head.block_n, lm_head.swap_ab, lm_head.splits) == (32, 128, True, 1)
+    fc = plan_for(8, 2048, 4096, True, TILES_NVFP4)
+    assert (fc.block_m, fc.block_n, fc.swap_ab, fc.splits) == (16, 16, False, 2)
+    gemv = plan_for(1, 151936, 2048, True, TILES_NVFP4)
+    assert (gemv.block_m, gemv.block_n, gemv.swap_ab) == (1, 32, False)
+
+
+def test_plan_block_m_must_be_a_gemv_or_a_dot():
+    x, *w = make_inputs(4, 7, 32, torch.float32)
+    with ops.use_backend("triton"), pytest.raises(ValueError, match="block_m = 4"):
+        linear_nvfp4_triton(x, *w, plan=make_plan(4, 7, 32, block_n=8, block_k=32, block_m=4))
+
+
+def test_weight_rows_must_start_on_words():
+    x, weight, scale, scale_2 = make_inputs(1, 7, 32, torch.float32)
+    wide = torch.zeros(7, 17, dtype=torch.uint8)
+    wide[:, 1:] = weight
+    with pytest.raises(ValueError, match="weight.contiguous"):
+        linear_nvfp4_triton(x, wide[:, 1:], scale, scale_2)
+    out = linear_nvfp4_triton(x, wide[:, 1:].contiguous(), scale, scale_2)
+    assert torch.equal(out, linear_nvfp4_triton(x, weight, scale, scale_2))
+
+
 # --- compiled (GPU) ----------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -143,7 +170,7 @@ def test_gpu_matches_reference(dtype, m, n, k, split_k):
 @pytest.mark.parametrize("m", [1, 8, 32])
 def test_gpu_every_path(m):
     x, *w = make_inputs(m, 4096, 2048, torch.bfloat16, seed=m, device="cuda")
-    for plan in explicit_plans(m, 4096, 2048, first_block_k=32):
+    for plan in explicit_plans(m, 4096, 2048, first_block_k=32, fma_m=False):
         check(x, *w, plan=plan)
 
 
