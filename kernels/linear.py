@@ -63,7 +63,7 @@ class GemvPlan:
 class TileTable:
     """Tile sizes of one weight format: (BLOCK_N, BLOCK_K) by M class, M = 1 (FMA) and M <= 16, M <= 32
     (tl.dot), for weights with many rows (LM heads). A weight with fewer than `min_tiles` N tiles (M = 1)
-    or 2 per SM (tl.dot) gets half the rows and twice the K per tile until it has them (BLOCK_K up to
+    or `min_tiles_dot` (tl.dot) gets half the rows and twice the K per tile until it has them (BLOCK_K up to
     `max_block_k_fma` / `max_block_k_dot`, BLOCK_N down to 1 / `min_block_n_dot`). Split-K then adds K
     slices while the N tiles are fewer than one per SM (M = 1) or `dot_programs` (at most 8 slices). A
     dot tile of at least `swap_ab_from` rows computes (W x^T)^T (the weight tile the dot's first operand).
@@ -74,6 +74,7 @@ class TileTable:
     m16: tuple[int, int]
     m32: tuple[int, int]
     min_tiles: int = 1024
+    min_tiles_dot: int = 2 * _SM_COUNT_H200
     max_block_k_fma: int = 2048
     max_block_k_dot: int = 256
     dot_programs: int = 256
@@ -112,7 +113,7 @@ def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16B
     bm = _block_m(m)
     bn, bk = tiles.m1 if bm == 1 else tiles.m16 if bm == 16 else tiles.m32
     min_tiles, min_bn, max_bk, programs = ((tiles.min_tiles, 1, tiles.max_block_k_fma, _SM_COUNT_H200) if bm == 1
-                                           else (2 * _SM_COUNT_H200, tiles.min_block_n_dot, tiles.max_block_k_dot,
+                                           else (tiles.min_tiles_dot, tiles.min_block_n_dot, tiles.max_block_k_dot,
                                                  tiles.dot_programs))
     while triton.cdiv(n, bn) < min_tiles and bn > min_bn:
         bn, bk = bn // 2, min(2 * bk, max_bk)

@@ -8,7 +8,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/mtpf-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+rm -rf /tmp/site &&   # a warm machine keeps /tmp/site, and pip --target does not replace a package
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
