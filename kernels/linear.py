@@ -65,8 +65,9 @@ class TileTable:
     (tl.dot), for weights with many rows (LM heads). A weight with fewer than `min_tiles` N tiles (M = 1)
     or `min_tiles_dot` (tl.dot) gets half the rows and twice the K per tile until it has them (BLOCK_K up to
     `max_block_k_fma` / `max_block_k_dot`, BLOCK_N down to 1 / `min_block_n_dot`). Split-K then adds K
-    slices while the N tiles are fewer than one per SM (M = 1) or `dot_programs` (at most 8 slices). A
-    dot tile of at least `swap_ab_from` rows computes (W x^T)^T (the weight tile the dot's first operand).
+    slices while the N tiles are fewer than one per SM (M = 1) or `dot_programs` (at most 8 slices).
+    `swap_ab` (M <= 16, M <= 32): a dot tile of 64 rows or more computes (W x^T)^T, the weight tile the
+    dot's first operand; `dot_stages` (M <= 16, M <= 32): software-pipelining depth of the dot loop.
     BLOCK_K counts weight elements. The values are the fastest of the H200 sweeps of 2026-12-02 and -03
     (`scripts/tune_gemv.py`: CUDA graphs, weights rotated past the L2) at 151936 x 2048, 8192 x 2048 and
     2048 x 4096."""
@@ -80,10 +81,13 @@ class TileTable:
     dot_programs: int = 256
     min_block_k: int = 16                       # the smallest BLOCK_K: a GPU tl.dot needs K >= 16
     min_block_n_dot: int = 32
-    swap_ab_from: int | None = None
+    swap_ab: tuple[bool, bool] = (False, False)
+    dot_stages: tuple[int, int] = (3, 3)
 
 
 TILES_16BIT = TileTable(m1=(2, 1024), m16=(128, 128), m32=(128, 128))
+# FP8 with the NVFP4 rules (64-row swapped tiles at M = 32, 16-row tiles on small weights) ran slower on 5
+# of the 10 M = 8 / 32 shapes of the 2026-12-03 benchmark (2048 x 4096, M = 8: 9.7 against 7.6 us): kept.
 TILES_FP8 = TileTable(m1=(16, 256), m16=(64, 256), m32=(128, 128))
 _MAX_SPLITS = 8
 
@@ -120,8 +124,11 @@ def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16B
     bk = min(bk, max(tiles.min_block_k, triton.next_power_of_2(max(k, 1))))
     n_tiles = triton.cdiv(n, bn)
     splits = min(triton.cdiv(programs, n_tiles), _MAX_SPLITS) if split_k else 1
-    swap = bm > 1 and tiles.swap_ab_from is not None and bn >= tiles.swap_ab_from
-    return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm, swap_ab=swap)
+    if bm == 1:
+        return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm)
+    cls = 0 if bm == 16 else 1
+    return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm, num_stages=tiles.dot_stages[cls],
+                     swap_ab=tiles.swap_ab[cls] and bn >= 64)
 
 
 # --- kernels -------------------------------------------------------------------------------------------------

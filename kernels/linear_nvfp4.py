@@ -56,11 +56,12 @@ linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native)
 
 # From the H200 sweeps (scripts/tune_gemv.py): M = 1, 2026-12-02, is bound by the decode arithmetic
 # (151936 x 2048 at (32, 256): 76.3 us; 8192 x 2048 and 2048 x 4096 narrow to (16, 512) and (4, 2048), 512
-# tiles); the tensor-core path, 2026-12-03, wants the decoded tile as the dot's first operand where it has
-# 64 rows or more (151936 x 2048: 249 us against 299 at M = 32), 32-row tiles on 8192 x 2048 (M = 8: 26.9
-# us; 16 rows: 35.7) and 16-row ones on 2048 x 4096 (M = 8: 19.0 us split in 2; 32 rows: 31.8); BLOCK_K >= 32.
-TILES_NVFP4 = TileTable(m1=(32, 256), m16=(128, 128), m32=(128, 64), min_tiles=512, min_block_k=32,
-                        min_tiles_dot=256, min_block_n_dot=16, swap_ab_from=64)
+# tiles). The tensor-core path, 2026-12-03, wants the decoded tile as the dot's first operand (151936 x
+# 2048, M = 32: 249 us against 299), no pipelining at M <= 16 (M = 8, (128, 64): 237 against 256 us;
+# 154880 x 4096: 471 against 570 at (128, 128)), 32-row tiles on 8192 x 2048 (M = 8: 26.9 us; 16 rows:
+# 35.7) and 16-row ones on 2048 x 4096 (M = 8: 19.0 us split in 2; 32 rows: 31.8); BLOCK_K >= 32.
+TILES_NVFP4 = TileTable(m1=(32, 256), m16=(128, 64), m32=(128, 64), min_tiles=512, min_block_k=32,
+                        min_tiles_dot=256, min_block_n_dot=16, swap_ab=(True, True), dot_stages=(1, 3))
 
 
 @triton.jit

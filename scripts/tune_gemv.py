@@ -97,7 +97,7 @@ def main() -> int:
                     grid = [make_plan(m, n, k, bn, bk, block_m=1, num_warps=nw, num_stages=2)
                             for (bn, bk), nw in itertools.product(FMA_TILES, (4, 8)) if bk <= k]
                 else:
-                    swaps = (False, True) if fname == "nvfp4" else (False,)   # NVFP4: the decoded tile as A too
+                    swaps = (False, True) if fname != "bf16" else (False,)   # decoded tiles as the dot's A too
                     grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=3, swap_ab=sw)
                             for (bn, bk), nw, sw in itertools.product(DOT_TILES, (4, 8), swaps)
                             if not (fname == "nvfp4" and bk < 32)]

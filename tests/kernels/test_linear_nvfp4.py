@@ -131,7 +131,7 @@ def test_planned_nvfp4_tiles():
     lm_head = plan_for(32, 151936, 2048, True, TILES_NVFP4)
     assert (lm_head.block_m, lm_head.block_n, lm_head.swap_ab, lm_head.splits) == (32, 128, True, 1)
     fc = plan_for(8, 2048, 4096, True, TILES_NVFP4)
-    assert (fc.block_m, fc.block_n, fc.swap_ab, fc.splits) == (16, 16, False, 2)
+    assert (fc.block_m, fc.block_n, fc.swap_ab, fc.splits, fc.num_stages) == (16, 16, False, 2, 1)
     gemv = plan_for(1, 151936, 2048, True, TILES_NVFP4)
     assert (gemv.block_m, gemv.block_n, gemv.swap_ab) == (1, 32, False)
 
