@@ -82,27 +82,35 @@ def _e2m1_words_to_e4m3(w):
     return even, odd
 
 
+# E4M3 bytes -> fp32 on the GPU: the hardware's E4M3x2 -> FP16x2 conversion, then FP16 -> FP32; the scaled
+# form multiplies each FP16 pair by a scale (the FP16 in $5) between the two.
+_WIDEN_E4M3X4_PTX = """{{
+    .reg .b16 lo, hi, a0, a1, b0, b1;
+    .reg .b32 a, b, s;
+    mov.b32 {{lo, hi}}, $4;
+    cvt.rn.f16x2.e4m3x2 a, lo;
+    cvt.rn.f16x2.e4m3x2 b, hi;{scale}
+    mov.b32 {{a0, a1}}, a;
+    mov.b32 {{b0, b1}}, b;
+    cvt.f32.f16 $0, a0;
+    cvt.f32.f16 $1, a1;
+    cvt.f32.f16 $2, b0;
+    cvt.f32.f16 $3, b1;
+}}"""
+_E4M3X4_PTX = tl.constexpr(_WIDEN_E4M3X4_PTX.format(scale=""))
+_E4M3X4_SCALED_PTX = tl.constexpr(_WIDEN_E4M3X4_PTX.format(scale="""
+    mov.b32 s, {$5, $5};
+    mul.rn.f16x2 a, a, s;
+    mul.rn.f16x2 b, b, s;"""))
+
+
 @triton.jit
 def _e4m3x4_f32(w, USE_ASM: tl.constexpr):
-    """int32 words of 4 E4M3 bytes -> their 4 fp32 values (byte 0 first): on the GPU the hardware's
-    E4M3x2 -> FP16x2 conversion and FP16 -> FP32 (PTX), in the interpreter (no inline asm) the same values
-    through fp16 bits."""
+    """int32 words of 4 E4M3 bytes -> their 4 fp32 values (byte 0 first): on the GPU through the hardware's
+    conversions (PTX), in the interpreter (no inline asm) the same values through fp16 bits."""
     if USE_ASM:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi, a0, a1, b0, b1;
-            .reg .b32 a, b;
-            mov.b32 {lo, hi}, $4;
-            cvt.rn.f16x2.e4m3x2 a, lo;
-            cvt.rn.f16x2.e4m3x2 b, hi;
-            mov.b32 {a0, a1}, a;
-            mov.b32 {b0, b1}, b;
-            cvt.f32.f16 $0, a0;
-            cvt.f32.f16 $1, a1;
-            cvt.f32.f16 $2, b0;
-            cvt.f32.f16 $3, b1;
-            }""",
-            constraints="=r,=r,=r,=r,r", args=[w],
+            asm=_E4M3X4_PTX, constraints="=r,=r,=r,=r,r", args=[w],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
     else:
         return (_e4m3_bits_to_f32(w & 0xFF) * 256.0, _e4m3_bits_to_f32((w >> 8) & 0xFF) * 256.0,
@@ -112,29 +120,13 @@ def _e4m3x4_f32(w, USE_ASM: tl.constexpr):
 @triton.jit
 def _e4m3x4_scaled_f32(w, scale, USE_ASM: tl.constexpr):
     """int32 words of 4 E4M3 bytes, each times `scale` (fp32 holding an E4M3 value, exact in fp16) -> 4 fp32
-    values (byte 0 first). On the GPU the products are formed in fp16 pairs (E4M3x2 -> FP16x2, one FP16x2
-    multiply), exact when they hold at most 11 significant bits above 2^-24 (E2M1-on-E4M3 bytes times an
-    E4M3 scale: at most 6 bits, at least 2^-16), then widened to fp32."""
+    values (byte 0 first). On the GPU the products are formed in fp16 pairs (one FP16x2 multiply a pair),
+    exact when they hold at most 11 significant bits above 2^-24 (E2M1-on-E4M3 bytes times an E4M3 scale:
+    at most 6 bits, at least 2^-16), then widened to fp32."""
     if USE_ASM:
-        s16 = scale.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+        s16 = scale.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int16, bitcast=True)
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi, a0, a1, b0, b1;
-            .reg .b32 a, b, s;
-            mov.b32 {lo, hi}, $4;
-            mov.b32 s, {$5, $5};
-            cvt.rn.f16x2.e4m3x2 a, lo;
-            cvt.rn.f16x2.e4m3x2 b, hi;
-            mul.rn.f16x2 a, a, s;
-            mul.rn.f16x2 b, b, s;
-            mov.b32 {a0, a1}, a;
-            mov.b32 {b0, b1}, b;
-            cvt.f32.f16 $0, a0;
-            cvt.f32.f16 $1, a1;
-            cvt.f32.f16 $2, b0;
-            cvt.f32.f16 $3, b1;
-            }""",
-            constraints="=r,=r,=r,=r,r,h", args=[w, s16.to(tl.int16)],
+            asm=_E4M3X4_SCALED_PTX, constraints="=r,=r,=r,=r,r,h", args=[w, s16],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
     else:
         e0, e1, e2, e3 = _e4m3x4_f32(w, USE_ASM)
