@@ -1,0 +1,133 @@
+"""Static cost of the GEMV / small-M GEMM kernels on the H200, on a machine with no GPU: compiles a kernel
+for sm_90 with Triton's own ptxas, disassembles it with the bundled nvdisasm, and prints the instructions
+of its K loop per weight element and thread, with a histogram and the shared-memory store widths.
+
+A kernel that is bound by its decode arithmetic (the NVFP4 ones) runs at about
+    elements * instructions per element / (132 SMs * 128 lanes * 1.98 GHz)
+at best; `BENCHMARKS.md` quotes these counts. Pointer and size arguments are marked divisible by 16, as
+Triton's launcher marks them at the real shapes.
+
+    python3 scripts/sass_stats.py nvfp4-gemm --tile 32,128,64 --swap
+    python3 scripts/sass_stats.py nvfp4-gemv --tile 1,32,256
+    python3 scripts/sass_stats.py {bf16,fp8}-{gemv,gemm} ...  [--warps 4] [--stages 3] [--sass out.sass]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+
+# the modules (the package exports the Ops under the same names)
+linear = importlib.import_module("mtpfactory.kernels.linear")
+linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
+
+_PTRS = ("x_ptr", "w_ptr", "scale_ptr", "s_ptr", "s2_ptr", "out_ptr", "part_ptr")
+_DIVISIBLE = _PTRS + ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_om")
+
+
+def _signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
+    """Each argument of `fn`: its type from `types`, i32 for sizes and strides, constexpr for the rest."""
+    return {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
+
+
+def kernel(name: str, bm: int, bn: int, bk: int, swap: bool):
+    """(jit function, argument types, constexprs) of a preset."""
+    fmt, kind = name.split("-")
+    dot = kind == "gemm"
+    if fmt == "nvfp4":
+        types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "s2_ptr": "*fp32", "out_ptr": "*bf16",
+                 "part_ptr": "*fp32"}
+        if dot:
+            return (linear_nvfp4._gemm_nvfp4_kernel, types,
+                    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LOWP_DOT=True, SWAP_AB=swap, SPLIT=False, USE_ASM=True))
+        return (linear_nvfp4._gemv_nvfp4_kernel, types, dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT=False, USE_ASM=True))
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16" if fmt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
+             "out_ptr": "*bf16", "part_ptr": "*fp32"}
+    return (linear._linear_kernel, types,
+            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, LOWP_DOT=True, SWAP_AB=swap, SPLIT=False,
+                 ROW_SCALE=fmt == "fp8"))
+
+
+def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> str:
+    sig = _signature(fn, types, constexprs)
+    names = list(sig)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in _DIVISIBLE if a in sig}
+    compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([nvdisasm, "-c", "-g", path], capture_output=True, text=True, check=True).stdout
+
+
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)")
+
+
+def loop_body(sass: str) -> list[tuple[str, str]]:
+    """(opcode, modifiers) of the instructions of the largest loop (the span of the longest backward
+    branch): the K loop of these kernels."""
+    labels, pending, instrs = {}, [], []
+    for line in sass.splitlines():
+        m = re.match(r"^\s*\.(L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INSTR.match(line)
+        if m:
+            addr = int(m.group(1), 16)
+            for lab in pending:
+                labels[lab] = addr
+            pending = []
+            target = re.search(r"BRA\s+`?\(?\.(L_x_\d+)", line)
+            instrs.append((addr, m.group(2), m.group(3), target.group(1) if target else None))
+    best = (0, -1)
+    for addr, _, _, target in instrs:
+        if target in labels and labels[target] < addr and addr - labels[target] > best[1] - best[0]:
+            best = (labels[target], addr)
+    return [(op, mods) for addr, op, mods, _ in instrs if best[0] <= addr <= best[1]]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("kernel", choices=[f"{f}-{k}" for f in ("bf16", "fp8", "nvfp4") for k in ("gemv", "gemm")])
+    ap.add_argument("--tile", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K (default: 1,32,256 or 32,128,64)")
+    ap.add_argument("--swap", action="store_true", help="the weight tile as the dot's first operand")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--sass", default=None, help="also write the whole disassembly here")
+    args = ap.parse_args()
+    dot = args.kernel.endswith("gemm")
+    bm, bn, bk = (int(v) for v in (args.tile or ("32,128,64" if dot else "1,32,256")).split(","))
+    if dot != (bm >= 16):
+        ap.error(f"--tile {bm},{bn},{bk}: a gemm tile has BLOCK_M 16 or 32, a gemv tile BLOCK_M 1")
+    fn, types, constexprs = kernel(args.kernel, bm, bn, bk, args.swap)
+    sass = compile_sass(fn, types, constexprs, args.warps, args.stages)
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass)
+    body = loop_body(sass)
+    per_thread = bn * bk / (32 * args.warps)                         # weight elements per thread per iteration
+    hist = collections.Counter(op for op, _ in body)
+    stores = collections.Counter(op + mods for op, mods in body if op in ("STS", "STSM"))
+    print(f"{args.kernel} tile {bm}x{bn}x{bk} warps {args.warps} stages {args.stages}{' swap' if args.swap else ''}: "
+          f"{len(body)} instructions a K step, {len(body) / per_thread:.2f} per weight element and thread")
+    print("  " + ", ".join(f"{op} {n}" for op, n in hist.most_common(14)))
+    if stores:
+        print("  shared stores: " + ", ".join(f"{op} {n}" for op, n in stores.most_common()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
