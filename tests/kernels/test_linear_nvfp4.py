@@ -150,6 +150,11 @@ def test_weight_rows_must_start_on_words():
         linear_nvfp4_triton(x, wide[:, 1:], scale, scale_2)
     out = linear_nvfp4_triton(x, wide[:, 1:].contiguous(), scale, scale_2)
     assert torch.equal(out, linear_nvfp4_triton(x, weight, scale, scale_2))
+    shifted = torch.zeros(7 * 16 + 1, dtype=torch.uint8)[1:].view(7, 16)    # contiguous, one byte off a word
+    shifted.copy_(weight)
+    assert not _linear_nvfp4_supports(x, shifted, scale, scale_2)             # `auto` takes the reference
+    with pytest.raises(ValueError, match="4-byte boundaries"):
+        linear_nvfp4_triton(x, shifted, scale, scale_2)
 
 
 # --- compiled (GPU) ----------------------------------------------------------------------------------------------
