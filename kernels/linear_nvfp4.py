@@ -124,7 +124,7 @@ def _e4m3x4_scaled_f32(w, scale, USE_ASM: tl.constexpr):
     exact when they hold at most 11 significant bits above 2^-24 (E2M1-on-E4M3 bytes times an E4M3 scale:
     at most 6 bits, at least 2^-16), then widened to fp32."""
     if USE_ASM:
-        s16 = scale.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int16, bitcast=True)
+        s16 = scale.to(tl.float16).to(tl.int16, bitcast=True)
         return tl.inline_asm_elementwise(
             asm=_E4M3X4_SCALED_PTX, constraints="=r,=r,=r,=r,r,h", args=[w, s16],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
