@@ -195,7 +195,7 @@ def dot_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexp
 def dot_acc(x, w, acc, x_dtype: tl.constexpr, LOWP_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += x [BM, BK] @ w [BN, BK]^T (with SWAP_AB: acc^T += w @ x^T). With LOWP_DOT the operands go to
     the tensor cores in x's dtype (the weight values must be exact in it); otherwise an fp32 dot without
-    TF32 rounding."""
+    TF32 rounding (a 16-bit decoded weight widened first)."""
     if LOWP_DOT:
         x = x.to(x_dtype)
         w = w.to(x_dtype)
@@ -204,6 +204,8 @@ def dot_acc(x, w, acc, x_dtype: tl.constexpr, LOWP_DOT: tl.constexpr, SWAP_AB: t
         else:
             return tl.dot(x, tl.trans(w), acc)
     else:
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
         if SWAP_AB:
             return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         else:

@@ -4,20 +4,21 @@ weight_scale_2 one fp32 number.
 
 Hopper has no FP4 tensor cores and `tl.dot_scaled` with e2m1 does not compile there (Triton 3.6), so the
 Triton provider decodes in registers; it shares `linear.py`'s plan and split-K reduction. The weight is
-read as int32 words of 8 codes (element 8w + 2j in byte j's low nibble, 8w + 2j + 1 in its high one):
-- `_e2m1_words_to_e4m3`: shifts and masks turn a word into two words of E4M3 bytes, the even and the odd
-  elements, four codes per integer op; each byte is exactly the E2M1 value times 2^-6 (E2M1's exponent and
-  mantissa land in the E4M3 exponent's low bits and mantissa's top bit; the E2M1 subnormal 0.5 lands on an
-  E4M3 subnormal);
-- on the GPU the hardware widens E4M3 pairs to fp16 pairs (`cvt.rn.f16x2.e4m3x2`, inline PTX; the
-  interpreter, which has no inline asm, decodes the same bits through fp16); E4M3 scales become fp16 bits
-  `(b & 0x7f) << 7 | (b & 0x80) << 8`, their value times 2^-8;
-- M = 1 (`_gemv_nvfp4_kernel`): CUDA-core FMAs of the exact E2M1 values with x, each 16-element block's sum
-  times its scale once; 2 <= M <= 32 (`_gemm_nvfp4_kernel`): each value times its block scale in fp16
-  (exact: at most 6 significant bits, at least 2^-16), the word's eight elements joined back into K order,
-  `tl.dot` on bf16 operands (exact weights, fp32 accumulation);
-- the decode's 2^-6 and the per-tensor `weight_scale_2` multiply the fp32 sums once (`weight_scale_2`
-  loaded on the device: no host sync).
+read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j in byte j's low nibble).
+- M = 1 (`_gemv_nvfp4_kernel`), CUDA-core FMAs: `_e2m1_words_to_e4m3` turns a word into two words of E4M3
+  bytes, the even and the odd elements, four codes per integer op, each byte exactly the E2M1 value times
+  2^-6 (E2M1's exponent and mantissa land in the E4M3 exponent's low bits and mantissa's top bit; the E2M1
+  subnormal 0.5 lands on an E4M3 subnormal); on the GPU the hardware widens E4M3 pairs to fp16 pairs
+  (`cvt.rn.f16x2.e4m3x2`, inline PTX; the interpreter, which has no inline asm, decodes the same bits
+  through fp16); FMAs of the exact E2M1 values with x, each 16-element block's sum times its scale once.
+- 1 <= M <= 32 (`_gemm_nvfp4_kernel`, the planner uses it from M = 2), tensor cores: `_e2m1x8_scaled`
+  builds bf16 pairs from the word with two shifts and masks a pair (elements i and i + 4, whose nibbles
+  lie 16 bits apart), each the E2M1 value times 2^-126, and one bf16x2 multiply by the block scale times
+  2^118 makes them E2M1 * scale * 2^-8, exact; the dot takes them in that order (0, 4, 1, 5, 2, 6, 3, 7
+  within a word) with x loaded in the same order, so the decoded tile goes to shared memory in 16-byte
+  stores with no shuffle; the loads run one or two K steps ahead of the decode.
+- the decode's power of two and the per-tensor `weight_scale_2` multiply the fp32 sums once
+  (`weight_scale_2` loaded on the device: no host sync).
 E4M3 0x7f/0xff (NaN) decodes to +-480, not NaN: the quantizer never stores it and the loader refuses it.
 """
 
@@ -54,14 +55,14 @@ def _linear_nvfp4_native(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native)
 
-# From the H200 sweeps (scripts/tune_gemv.py): M = 1, 2026-12-02, is bound by the decode arithmetic
-# (151936 x 2048 at (32, 256): 76.3 us; 8192 x 2048 and 2048 x 4096 narrow to (16, 512) and (4, 2048), 512
-# tiles). The tensor-core path, 2026-12-03, wants the decoded tile as the dot's first operand (151936 x
-# 2048, M = 32: 249 us against 299), no pipelining at M <= 16 (M = 8, (128, 64): 237 against 256 us;
-# 154880 x 4096: 471 against 570 at (128, 128)), 32-row tiles on 8192 x 2048 (M = 8: 26.9 us; 16 rows:
-# 35.7) and 16-row ones on 2048 x 4096 (M = 8: 19.0 us split in 2; 32 rows: 31.8); BLOCK_K >= 32.
-TILES_NVFP4 = TileTable(m1=(32, 256), m16=(128, 64), m32=(128, 64), min_tiles=512, min_block_k=32,
-                        min_tiles_dot=256, min_block_n_dot=16, swap_ab=(True, True), dot_stages=(1, 3))
+# From the H200 sweeps (scripts/tune_gemv.py). M = 1, 2026-12-02: the CUDA-core GEMV, bound by its decode
+# (151936 x 2048 at (32, 256): 76.3 us; the tensor-core kernel on 16 rows of x: 108 us at best, 2026-12-03).
+# The tensor-core kernel, 2026-12-03: 64-row tiles, the decoded tile the dot's first operand, K steps of
+# 256, loads one step ahead (151936 x 2048: 119.7 us at M = 8, 137.8 at M = 32; 128-row or shorter-K tiles
+# 130-148 us); weights with fewer than 128 such tiles narrow to 32 and 16 rows and split K (8192 x 2048,
+# M = 32: 12.5 us at (64, 256) in 2 slices; 2048 x 4096, M = 32: 13.7 at (16, 256) in 2).
+TILES_NVFP4 = TileTable(m1=(32, 256), m16=(64, 256), m32=(64, 256), min_tiles=512, min_block_k=32,
+                        min_tiles_dot=128, min_block_n_dot=16, swap_ab=(True, True), dot_stages=(2, 2))
 
 
 @triton.jit
@@ -82,26 +83,20 @@ def _e2m1_words_to_e4m3(w):
     return even, odd
 
 
-# E4M3 bytes -> fp32 on the GPU: the hardware's E4M3x2 -> FP16x2 conversion, then FP16 -> FP32; the scaled
-# form multiplies each FP16 pair by a scale (the FP16 in $5) between the two.
-_WIDEN_E4M3X4_PTX = """{{
+# E4M3 bytes -> fp32 on the GPU: the hardware's E4M3x2 -> FP16x2 conversion, then FP16 -> FP32.
+_E4M3X4_PTX = tl.constexpr("""{
     .reg .b16 lo, hi, a0, a1, b0, b1;
-    .reg .b32 a, b, s;
-    mov.b32 {{lo, hi}}, $4;
+    .reg .b32 a, b;
+    mov.b32 {lo, hi}, $4;
     cvt.rn.f16x2.e4m3x2 a, lo;
-    cvt.rn.f16x2.e4m3x2 b, hi;{scale}
-    mov.b32 {{a0, a1}}, a;
-    mov.b32 {{b0, b1}}, b;
+    cvt.rn.f16x2.e4m3x2 b, hi;
+    mov.b32 {a0, a1}, a;
+    mov.b32 {b0, b1}, b;
     cvt.f32.f16 $0, a0;
     cvt.f32.f16 $1, a1;
     cvt.f32.f16 $2, b0;
     cvt.f32.f16 $3, b1;
-}}"""
-_E4M3X4_PTX = tl.constexpr(_WIDEN_E4M3X4_PTX.format(scale=""))
-_E4M3X4_SCALED_PTX = tl.constexpr(_WIDEN_E4M3X4_PTX.format(scale="""
-    mov.b32 s, {$5, $5};
-    mul.rn.f16x2 a, a, s;
-    mul.rn.f16x2 b, b, s;"""))
+}""")
 
 
 @triton.jit
@@ -115,22 +110,6 @@ def _e4m3x4_f32(w, USE_ASM: tl.constexpr):
     else:
         return (_e4m3_bits_to_f32(w & 0xFF) * 256.0, _e4m3_bits_to_f32((w >> 8) & 0xFF) * 256.0,
                 _e4m3_bits_to_f32((w >> 16) & 0xFF) * 256.0, _e4m3_bits_to_f32((w >> 24) & 0xFF) * 256.0)
-
-
-@triton.jit
-def _e4m3x4_scaled_f32(w, scale, USE_ASM: tl.constexpr):
-    """int32 words of 4 E4M3 bytes, each times `scale` (fp32 holding an E4M3 value, exact in fp16) -> 4 fp32
-    values (byte 0 first). On the GPU the products are formed in fp16 pairs (one FP16x2 multiply a pair),
-    exact when they hold at most 11 significant bits above 2^-24 (E2M1-on-E4M3 bytes times an E4M3 scale:
-    at most 6 bits, at least 2^-16), then widened to fp32."""
-    if USE_ASM:
-        s16 = scale.to(tl.float16).to(tl.int16, bitcast=True)
-        return tl.inline_asm_elementwise(
-            asm=_E4M3X4_SCALED_PTX, constraints="=r,=r,=r,=r,r,h", args=[w, s16],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        e0, e1, e2, e3 = _e4m3x4_f32(w, USE_ASM)
-        return e0 * scale, e1 * scale, e2 * scale, e3 * scale
 
 
 @triton.jit
@@ -180,16 +159,113 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_p
         tl.store(out_ptr + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+# E2M1 -> bf16 for the tensor-core path, on the GPU. Pair t (0..3) of a word is elements 8w + t (low half)
+# and 8w + t + 4 (high half), whose nibbles lie 16 bits apart, so one shift and mask move both exponent-mantissa
+# fields to bits 8:6 / 24:22 and another both signs to 15 / 31: bf16 numbers equal to the E2M1 values times
+# 2^-126 (the E2M1 subnormal 0.5 lands on a bf16 subnormal; both formats are linear there). One bf16x2
+# multiply by the block's scale * 2^118 (in $9, both halves) gives E2M1 * scale * 2^-8, exact: at most 6
+# significant bits, at least 2^-18. Outputs: $0..$7 = elements 0, 4, 1, 5, 2, 6, 3, 7 of the word.
+_E2M1X8_BF16_PTX = tl.constexpr("""{
+    .reg .b32 m, s, p;
+    shl.b32 m, $8, 6;
+    and.b32 m, m, 0x01C001C0;
+    shl.b32 s, $8, 12;
+    and.b32 s, s, 0x80008000;
+    or.b32 p, m, s;
+    mul.rn.bf16x2 p, p, $9;
+    mov.b32 {$0, $1}, p;
+    shl.b32 m, $8, 2;
+    and.b32 m, m, 0x01C001C0;
+    shl.b32 s, $8, 8;
+    and.b32 s, s, 0x80008000;
+    or.b32 p, m, s;
+    mul.rn.bf16x2 p, p, $9;
+    mov.b32 {$2, $3}, p;
+    shr.b32 m, $8, 2;
+    and.b32 m, m, 0x01C001C0;
+    shl.b32 s, $8, 4;
+    and.b32 s, s, 0x80008000;
+    or.b32 p, m, s;
+    mul.rn.bf16x2 p, p, $9;
+    mov.b32 {$4, $5}, p;
+    shr.b32 m, $8, 6;
+    and.b32 m, m, 0x01C001C0;
+    and.b32 s, $8, 0x80008000;
+    or.b32 p, m, s;
+    mul.rn.bf16x2 p, p, $9;
+    mov.b32 {$6, $7}, p;
+}""")
+
+
+@triton.jit
+def _bf16_pair_f32(p):
+    """int32 holding two bf16 bit patterns -> (low half, high half) as fp32."""
+    return (p << 16).to(tl.float32, bitcast=True), (p & -0x10000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1x8_scaled(w, scale, USE_ASM: tl.constexpr):
+    """int32 words of 8 E2M1 codes and each word's block scale times 2^118 (`_scale_operand`) -> the word's
+    elements 0, 4, 1, 5, 2, 6, 3, 7, each E2M1 * scale * 2^-8: bf16 from `_E2M1X8_BF16_PTX` on the GPU;
+    in the interpreter (no inline asm) fp32 from the same pair bit patterns."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm=_E2M1X8_BF16_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, scale],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:
+        sign = -0x7FFF8000                                           # 0x80008000
+        e0, e4 = _bf16_pair_f32(((w << 6) & 0x01C001C0) | ((w << 12) & sign))
+        e1, e5 = _bf16_pair_f32(((w << 2) & 0x01C001C0) | ((w << 8) & sign))
+        e2, e6 = _bf16_pair_f32(((w >> 2) & 0x01C001C0) | ((w << 4) & sign))
+        e3, e7 = _bf16_pair_f32(((w >> 6) & 0x01C001C0) | (w & sign))
+        return e0 * scale, e4 * scale, e1 * scale, e5 * scale, e2 * scale, e6 * scale, e3 * scale, e7 * scale
+
+
+@triton.jit
+def _scale_operand(sb, USE_ASM: tl.constexpr):
+    """E4M3 scale bytes (uint8) -> the block scale times 2^118 as `_e2m1x8_scaled` takes it: a bf16 pair
+    (int32 bits, both halves) on the GPU, fp32 in the interpreter. Exact: 2^-9 <= scale <= 448."""
+    s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 3.3230699894622897e35   # 2^118
+    if USE_ASM:
+        bits = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return bits * 0x10001
+    else:
+        return s
+
+
+@triton.jit
+def _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, kk, K, stride_xk,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step of `_gemm_nvfp4_kernel` from element kk on: the words [BN, BK/8], scale bytes [BN, BK/16]
+    and x [BM, BK] (EVEN_K: the step lies inside K, no K masks)."""
+    word = kk // 8 + tl.arange(0, BLOCK_K // 8)
+    blk = kk // 16 + tl.arange(0, BLOCK_K // 16)
+    offs_k = kk + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        wv = tl.load(w_rows + word[None, :], mask=mask_n[:, None], other=0)
+        sb = tl.load(s_rows + blk[None, :], mask=mask_n[:, None], other=0)
+        xv = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
+    else:
+        wv = tl.load(w_rows + word[None, :], mask=mask_n[:, None] & (word < K // 8)[None, :], other=0)
+        sb = tl.load(s_rows + blk[None, :], mask=mask_n[:, None] & (blk < K // 16)[None, :], other=0)
+        xv = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+    return wv, sb, xv
+
+
 @triton.jit
 def _gemm_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
                        stride_xm, stride_xk, stride_wn, stride_sn, stride_om, stride_on,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       LOWP_DOT: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
-    """2 <= M <= 32 on the tensor cores: the weight read as int32 words of 8 codes (w_ptr: the bytes viewed
-    as int32, stride_wn in words), decoded as in `_gemv_nvfp4_kernel` to exact E2M1 values, each times its
-    block's E4M3 scale (exact in bf16: at most 6 significant bits), the eight elements of a word put back
-    in K order in registers, then `tl.dot` with x."""
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
+                       EVEN_K: tl.constexpr, LOWP_DOT: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT: tl.constexpr,
+                       USE_ASM: tl.constexpr):
+    """1 <= M <= 32 on the tensor cores: the weight read as int32 words of 8 codes (w_ptr: the bytes viewed
+    as int32, stride_wn in words), decoded by `_e2m1x8_scaled` to exact bf16 values times their block
+    scales, in the order 0, 4, 1, 5, 2, 6, 3, 7 within each word; x's K tile is loaded in that order too
+    (a permutation of registers), so the dot needs no shuffle of the decoded tile. The loads run AHEAD
+    (1 or 2) K steps before the decode that uses them (Triton's pipeliner does not take loads that feed
+    arithmetic before the dot); EVEN_K: every K step lies inside K (no K masks)."""
     W: tl.constexpr = BLOCK_K // 8                                   # words of a K tile
+    NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
@@ -197,26 +273,37 @@ def _gemm_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, 
     mask_m = offs_m < M
     mask_n = offs_n < N
     n64 = offs_n.to(tl.int64)
+    w_rows = w_ptr + n64[:, None] * stride_wn                        # [BN, 1]
+    s_rows = s_ptr + n64[:, None] * stride_sn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm                     # [BM, 1]
     k_start = pid_k * k_per_split
+    k_last = k_per_split - BLOCK_K                                   # the last step in the slice
+    wv, sb, xv = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start, K, stride_xk, BLOCK_K, EVEN_K)
+    wv2, sb2, xv2 = wv, sb, xv
+    if AHEAD == 2:
+        wv2, sb2, xv2 = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start + tl.minimum(BLOCK_K, k_last),
+                                   K, stride_xk, BLOCK_K, EVEN_K)
     acc = dot_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, k_per_split, BLOCK_K):
-        word = (k_start + k0) // 8 + tl.arange(0, W)                 # [W] word index along the row
-        mask_w = mask_n[:, None] & (word < K // 8)[None, :]
-        wv = tl.load(w_ptr + n64[:, None] * stride_wn + word[None, :], mask=mask_w, other=0)   # [BN, W] int32
-        sb = tl.load(s_ptr + n64[:, None] * stride_sn + word[None, :] // 2, mask=mask_w, other=0).to(tl.int32)
-        scale = _e4m3_bits_to_f32(sb) * 256.0                        # [BN, W]: the word's block scale
-        even, odd = _e2m1_words_to_e4m3(wv)
-        e0, e2, e4, e6 = _e4m3x4_scaled_f32(even, scale, USE_ASM)    # E2M1 value * scale * 2^-6
-        e1, e3, e5, e7 = _e4m3x4_scaled_f32(odd, scale, USE_ASM)
-        # t[n, w, p, q, r] = element 8w + 4p + 2q + r: the reshape puts each word's elements in K order
-        t = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)),
-                    tl.join(tl.join(e1, e5), tl.join(e3, e7)))       # [BN, W, 2, 2, 2]
-        w = tl.reshape(t, [BLOCK_N, BLOCK_K])                        # [BN, BK]
-        offs_k = (k_start + k0) + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)   # [BM, BK]
+        # the step AHEAD on (past the slice's end the last one again: no mask, an L2 hit)
+        kk = k_start + tl.minimum(k0 + AHEAD * BLOCK_K, k_last)
+        wv_a, sb_a, xv_a = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, kk, K, stride_xk, BLOCK_K, EVEN_K)
+        scale = _scale_operand(sb, USE_ASM)                          # [BN, NB]
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, NB, 2]), [BLOCK_N, W])   # per word
+        e0, e4, e1, e5, e2, e6, e3, e7 = _e2m1x8_scaled(wv, scale, USE_ASM)                     # [BN, W] each
+        # tl.join stacks on a new last axis: flattened position f of a word holds the f-th output of the decode,
+        # element f // 2 + 4 (f % 2), and each output pair stays one 32-bit register into shared memory
+        t = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(e4, e6), tl.join(e5, e7)))
+        w = tl.reshape(t, [BLOCK_N, BLOCK_K])                        # [BN, BK], K permuted within each word
+        x = tl.reshape(tl.permute(tl.reshape(xv.to(tl.float32), [BLOCK_M, W, 2, 4]), (0, 1, 3, 2)),
+                       [BLOCK_M, BLOCK_K])                           # x in the same order
         acc = dot_acc(x, w, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
-    acc = dot_result(acc, SWAP_AB) * 64.0                            # [BM, BN]; the decode's 2^-6 undone
+        if AHEAD == 2:
+            wv, sb, xv = wv2, sb2, xv2
+            wv2, sb2, xv2 = wv_a, sb_a, xv_a
+        else:
+            wv, sb, xv = wv_a, sb_a, xv_a
+    acc = dot_result(acc, SWAP_AB) * 256.0                           # [BM, BN]; the decode's 2^-8 undone
     if not SPLIT:
         acc = acc * tl.load(s2_ptr)
     store_tile(acc, out_ptr, part_ptr, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om, stride_on, SPLIT)
@@ -227,7 +314,8 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                         plan: GemvPlan | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize_nvfp4(weight [N, K/2], weight_scale [N, K/16], weight_scale_2)^T -> [M, N] in
     x's dtype; arguments as `linear_triton` (a `plan`'s block_k must be a multiple of 16, its block_m 1, 16
-    or 32)."""
+    or 32; on the tensor-core path its num_stages - 1, 1 or 2, is how many K steps ahead the kernel loads:
+    Triton's own pipeliner does not take loads that feed arithmetic before the dot)."""
     m, k = x.shape
     n = weight.shape[0]
     if (k % NVFP4_BLOCK or weight.shape[1] * 2 != k or weight.stride(1) != 1 or weight.stride(0) % 4
@@ -257,12 +345,13 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
             BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT=part is not None, USE_ASM=x.is_cuda,
             num_warps=plan.num_warps, num_stages=plan.num_stages)
     else:
+        ahead = min(max(plan.num_stages - 1, 1), 2)
         _gemm_nvfp4_kernel[grid](
             x, words, scale_bits, scale_2, out, part if part is not None else out, m, n, k, plan.k_per_split,
             x.stride(0), x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(0), out.stride(1),
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, LOWP_DOT=lowp_dot(x),
-            SWAP_AB=plan.swap_ab, SPLIT=part is not None, USE_ASM=x.is_cuda, num_warps=plan.num_warps,
-            num_stages=plan.num_stages)
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, AHEAD=ahead,
+            EVEN_K=k % plan.k_per_split == 0, LOWP_DOT=lowp_dot(x), SWAP_AB=plan.swap_ab, SPLIT=part is not None,
+            USE_ASM=x.is_cuda, num_warps=plan.num_warps, num_stages=1)
     if part is not None:
         splitk_reduce(part, out, scale_2, scale_mode=2)
     return out

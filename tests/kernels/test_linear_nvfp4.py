@@ -66,6 +66,17 @@ def test_matches_reference_with_planned_tiles(dtype, m, n, k, split_k):
         check(x, *w, split_k=split_k)
 
 
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tensor_core_path_loads_ahead(stages, splits):
+    """num_stages - 1 (1 or 2) K steps loaded ahead: 7 steps of 32 with a partial last one, in one slice
+    or three, and a single-step slice (the look-ahead clamped to it)."""
+    x, *w = make_inputs(5, 33, 208, torch.bfloat16, seed=stages)
+    with ops.use_backend("triton"):
+        check(x, *w, plan=make_plan(5, 33, 208, block_n=16, block_k=32, splits=splits, num_stages=stages))
+        check(x, *w, plan=make_plan(5, 33, 208, block_n=16, block_k=32, splits=7, num_stages=stages))
+
+
 def _all_codes_and_scales():
     """[N=16, K=256]: every byte value (all 16 x 16 code pairs) 8 times, and as the 256 block scales all 254
     finite E4M3 patterns (subnormals, zeros and negatives included) plus two more, shuffled."""
@@ -129,9 +140,12 @@ def test_plan_block_k_must_hold_whole_blocks():
 def test_planned_nvfp4_tiles():
     # wide weights: the decoded tile is the dot's first operand; small ones: 16-row tiles, split-K to fill
     lm_head = plan_for(32, 151936, 2048, True, TILES_NVFP4)
-    assert (lm_head.block_m, lm_head.block_n, lm_head.swap_ab, lm_head.splits) == (32, 128, True, 1)
+    assert (lm_head.block_m, lm_head.block_n, lm_head.block_k, lm_head.swap_ab, lm_head.splits) == (
+        32, 64, 256, True, 1)
+    q_proj = plan_for(32, 8192, 2048, True, TILES_NVFP4)
+    assert (q_proj.block_n, q_proj.swap_ab, q_proj.splits) == (64, True, 2)
     fc = plan_for(8, 2048, 4096, True, TILES_NVFP4)
-    assert (fc.block_m, fc.block_n, fc.swap_ab, fc.splits, fc.num_stages) == (16, 16, False, 2, 1)
+    assert (fc.block_m, fc.block_n, fc.swap_ab, fc.splits, fc.num_stages) == (16, 16, False, 2, 2)
     gemv = plan_for(1, 151936, 2048, True, TILES_NVFP4)
     assert (gemv.block_m, gemv.block_n, gemv.swap_ab) == (1, 32, False)
 
