@@ -4,8 +4,8 @@ of its K loop per weight element and thread, with a histogram and the shared-mem
 
 A kernel that is bound by its decode arithmetic (the NVFP4 ones) runs at about
     elements * instructions per element / (132 SMs * 128 lanes * 1.98 GHz)
-at best; `BENCHMARKS.md` quotes these counts. Pointer and size arguments are marked divisible by 16, as
-Triton's launcher marks them at the real shapes.
+at best; `BENCHMARKS.md` quotes these counts. Pointer and size arguments are marked divisible by 16 and the unit
+strides of x and out specialized to 1, as Triton's launcher does at the real shapes.
 
     python3 scripts/sass_stats.py nvfp4-gemm --tile 32,128,64 --swap
     python3 scripts/sass_stats.py nvfp4-gemv --tile 1,32,256
@@ -33,6 +33,7 @@ linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
 
 _PTRS = ("x_ptr", "w_ptr", "scale_ptr", "s_ptr", "s2_ptr", "out_ptr", "part_ptr")
 _DIVISIBLE = _PTRS + ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_om")
+_UNIT = ("stride_xk", "stride_on")          # Triton's launcher specializes an integer argument equal to 1
 
 
 def _signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
@@ -40,8 +41,9 @@ def _signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
     return {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
 
 
-def kernel(name: str, bm: int, bn: int, bk: int, swap: bool):
-    """(jit function, argument types, constexprs) of a preset."""
+def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int):
+    """(jit function, argument types, constexprs) of a preset (the NVFP4 dot kernel loads `stages` - 1 K steps
+    ahead itself and compiles with Triton's pipelining off, as its launcher does)."""
     fmt, kind = name.split("-")
     dot = kind == "gemm"
     if fmt == "nvfp4":
@@ -49,7 +51,8 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool):
                  "part_ptr": "*fp32"}
         if dot:
             return (linear_nvfp4._gemm_nvfp4_kernel, types,
-                    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LOWP_DOT=True, SWAP_AB=swap, SPLIT=False, USE_ASM=True))
+                    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, AHEAD=max(1, min(stages - 1, 2)), EVEN_K=True,
+                         LOWP_DOT=True, SWAP_AB=swap, SPLIT=False, USE_ASM=True))
         return (linear_nvfp4._gemv_nvfp4_kernel, types, dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT=False, USE_ASM=True))
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16" if fmt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
              "out_ptr": "*bf16", "part_ptr": "*fp32"}
@@ -59,6 +62,7 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool):
 
 
 def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> str:
+    constexprs = {**{a: 1 for a in _UNIT if a in fn.arg_names}, **constexprs}
     sig = _signature(fn, types, constexprs)
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in _DIVISIBLE if a in sig}
@@ -112,8 +116,9 @@ def main() -> int:
     bm, bn, bk = (int(v) for v in (args.tile or ("32,128,64" if dot else "1,32,256")).split(","))
     if dot != (bm >= 16):
         ap.error(f"--tile {bm},{bn},{bk}: a gemm tile has BLOCK_M 16 or 32, a gemv tile BLOCK_M 1")
-    fn, types, constexprs = kernel(args.kernel, bm, bn, bk, args.swap)
-    sass = compile_sass(fn, types, constexprs, args.warps, args.stages)
+    fn, types, constexprs = kernel(args.kernel, bm, bn, bk, args.swap, args.stages)
+    stages = 1 if "AHEAD" in constexprs else args.stages
+    sass = compile_sass(fn, types, constexprs, args.warps, stages)
     if args.sass:
         with open(args.sass, "w") as f:
             f.write(sass)

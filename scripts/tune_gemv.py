@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from mtpfactory.kernels.linear import linear_triton, make_plan
+from mtpfactory.kernels.linear import linear_triton, make_plan, plan_for
 from mtpfactory.kernels.linear_fp8 import _linear_fp8_native, linear_fp8_triton
-from mtpfactory.kernels.linear_nvfp4 import _linear_nvfp4_native, linear_nvfp4_triton
+from mtpfactory.kernels.linear_nvfp4 import TILES_NVFP4, _linear_nvfp4_native, linear_nvfp4_triton
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import SHAPES, copy_bandwidth, formats, weight_bytes  # noqa: E402
@@ -34,6 +34,8 @@ FORMATS = {
 FMA_TILES = [(2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 512), (8, 1024), (16, 256), (16, 512),
              (32, 256), (32, 512), (64, 256), (64, 512), (128, 128), (128, 256)]
 DOT_TILES = [(16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128), (256, 64)]
+# NVFP4 decodes into registers and loads num_stages - 1 K steps ahead itself
+NVFP4_TILES = [(16, 256), (32, 256), (64, 128), (64, 256), (128, 64), (128, 128), (256, 64)]
 
 
 def time_us(calls: list, rep_ms: int = 40) -> float:
@@ -93,23 +95,27 @@ def main() -> int:
                     results.append((us, plan))
                     return us
 
-                if m == 1:
+                if fname == "nvfp4":                   # tensor cores at every M (16 rows for M = 1)
+                    grid = [make_plan(m, n, k, bn, bk, block_m=16 if m == 1 else None, num_warps=nw,
+                                      num_stages=st, swap_ab=bn >= 64)
+                            for (bn, bk), nw, st in itertools.product(NVFP4_TILES, (4, 8), (2, 3)) if bk <= k]
+                    grid.append(plan_for(m, n, k, True, TILES_NVFP4))    # the shipped plan, in the same run
+                elif m == 1:
                     grid = [make_plan(m, n, k, bn, bk, block_m=1, num_warps=nw, num_stages=2)
                             for (bn, bk), nw in itertools.product(FMA_TILES, (4, 8)) if bk <= k]
                 else:
                     swaps = (False, True) if fname != "bf16" else (False,)   # decoded tiles as the dot's A too
                     grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=3, swap_ab=sw)
-                            for (bn, bk), nw, sw in itertools.product(DOT_TILES, (4, 8), swaps)
-                            if not (fname == "nvfp4" and bk < 32)]
+                            for (bn, bk), nw, sw in itertools.product(DOT_TILES, (4, 8), swaps)]
                 for p in grid:
                     run(p)
                 results.sort(key=lambda r: r[0])
                 for _, p in results[:2]:  # refine the two best: stages, swapped operands, K slices
                     d = dict(p.__dict__)
-                    for st in ((1, 4) if m > 1 else ()):      # stages do nothing on the FMA path
+                    for st in ((1, 4) if d["block_m"] > 1 and fname != "nvfp4" else ()):   # NVFP4: in the grid
                         run(make_plan(m, n, k, d["block_n"], d["block_k"], block_m=d["block_m"],
                                       num_warps=d["num_warps"], num_stages=st, swap_ab=d["swap_ab"]))
-                    if m > 1 and not d["swap_ab"]:
+                    if d["block_m"] > 1 and not d["swap_ab"]:
                         run(make_plan(m, n, k, d["block_n"], d["block_k"], block_m=d["block_m"],
                                       num_warps=d["num_warps"], num_stages=d["num_stages"], swap_ab=True))
                     if n <= 16384:
