@@ -159,42 +159,28 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_p
         tl.store(out_ptr + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+def _e2m1_pair_ptx(t: int) -> str:
+    """PTX of pair t: the exponent-mantissa fields shifted by 6 - 4t, the signs by 12 - 4t, the multiply."""
+    mag, sign = 6 - 4 * t, 12 - 4 * t
+    shift_mag = f"shl.b32 m, $8, {mag};" if mag >= 0 else f"shr.b32 m, $8, {-mag};"
+    shift_sign = f"shl.b32 s, $8, {sign};" if sign else "mov.b32 s, $8;"
+    return f"""
+    {shift_mag}
+    and.b32 m, m, 0x01C001C0;
+    {shift_sign}
+    and.b32 s, s, 0x80008000;
+    or.b32 p, m, s;
+    mul.rn.bf16x2 p, p, $9;
+    mov.b32 {{${2 * t}, ${2 * t + 1}}}, p;"""
+
+
 # E2M1 -> bf16 for the tensor-core path, on the GPU. Pair t (0..3) of a word is elements 8w + t (low half)
 # and 8w + t + 4 (high half), whose nibbles lie 16 bits apart, so one shift and mask move both exponent-mantissa
 # fields to bits 8:6 / 24:22 and another both signs to 15 / 31: bf16 numbers equal to the E2M1 values times
 # 2^-126 (the E2M1 subnormal 0.5 lands on a bf16 subnormal; both formats are linear there). One bf16x2
 # multiply by the block's scale * 2^118 (in $9, both halves) gives E2M1 * scale * 2^-8, exact: at most 6
 # significant bits, at least 2^-18. Outputs: $0..$7 = elements 0, 4, 1, 5, 2, 6, 3, 7 of the word.
-_E2M1X8_BF16_PTX = tl.constexpr("""{
-    .reg .b32 m, s, p;
-    shl.b32 m, $8, 6;
-    and.b32 m, m, 0x01C001C0;
-    shl.b32 s, $8, 12;
-    and.b32 s, s, 0x80008000;
-    or.b32 p, m, s;
-    mul.rn.bf16x2 p, p, $9;
-    mov.b32 {$0, $1}, p;
-    shl.b32 m, $8, 2;
-    and.b32 m, m, 0x01C001C0;
-    shl.b32 s, $8, 8;
-    and.b32 s, s, 0x80008000;
-    or.b32 p, m, s;
-    mul.rn.bf16x2 p, p, $9;
-    mov.b32 {$2, $3}, p;
-    shr.b32 m, $8, 2;
-    and.b32 m, m, 0x01C001C0;
-    shl.b32 s, $8, 4;
-    and.b32 s, s, 0x80008000;
-    or.b32 p, m, s;
-    mul.rn.bf16x2 p, p, $9;
-    mov.b32 {$4, $5}, p;
-    shr.b32 m, $8, 6;
-    and.b32 m, m, 0x01C001C0;
-    and.b32 s, $8, 0x80008000;
-    or.b32 p, m, s;
-    mul.rn.bf16x2 p, p, $9;
-    mov.b32 {$6, $7}, p;
-}""")
+_E2M1X8_BF16_PTX = tl.constexpr("{\n    .reg .b32 m, s, p;" + "".join(_e2m1_pair_ptx(t) for t in range(4)) + "\n}")
 
 
 @triton.jit
