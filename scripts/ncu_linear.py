@@ -1,0 +1,53 @@
+"""One GEMV / small-M GEMM call at a real shape, for Nsight Compute on the GPU machine: a warm-up call,
+then the call to profile (ncu's --launch-skip counts the warm-up's kernels). Weights are random, in the
+format's checkpoint layout; the planned tiles are used unless --tile overrides them.
+
+On the device (after `GPU_TESTS=0 BENCH=0 bash scripts/device_run.sh` installed the package into /tmp/site):
+
+    PYTHONPATH=/tmp/site ncu --clock-control none -k regex:_gemm_nvfp4 --launch-skip 1 --launch-count 1 \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
+        --section SchedulerStats --section MemoryWorkloadAnalysis \\
+        python3 -P scripts/ncu_linear.py --format nvfp4 --shape lm_head_qwen --m 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from mtpfactory.kernels.linear import linear_triton, make_plan
+from mtpfactory.kernels.linear_fp8 import linear_fp8_triton
+from mtpfactory.kernels.linear_nvfp4 import linear_nvfp4_triton
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_kernels import SHAPES, formats  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--format", choices=("bf16", "fp8", "nvfp4"), default="nvfp4")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="lm_head_qwen")
+    ap.add_argument("--m", type=int, default=32)
+    ap.add_argument("--tile", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K,num_stages (default: the planned tiles)")
+    args = ap.parse_args()
+    n, k = SHAPES[args.shape]
+    w = formats(n, k, 1)[args.format][0]
+    x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
+    plan = None
+    if args.tile:
+        bm, bn, bk, st = (int(v) for v in args.tile.split(","))
+        plan = make_plan(args.m, n, k, bn, bk, block_m=bm, num_stages=st, swap_ab=bm > 1 and bn >= 64)
+    call = {"bf16": lambda: linear_triton(x, w, plan=plan),
+            "fp8": lambda: linear_fp8_triton(x, *w, plan=plan),
+            "nvfp4": lambda: linear_nvfp4_triton(x, *w, plan=plan)}[args.format]
+    call()
+    torch.cuda.synchronize()
+    call()
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
