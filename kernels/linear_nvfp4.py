@@ -210,7 +210,8 @@ def _e2m1x8_scaled(w, scale, USE_ASM: tl.constexpr):
 @triton.jit
 def _scale_operand(sb, USE_ASM: tl.constexpr):
     """E4M3 scale bytes (uint8) -> the block scale times 2^118 as `_e2m1x8_scaled` takes it: a bf16 pair
-    (int32 bits, both halves) on the GPU, fp32 in the interpreter. Exact: 2^-9 <= scale <= 448."""
+    (int32 bits, both halves) on the GPU, fp32 in the interpreter. Exact for every E4M3 value (0, or 2^-9 to
+    448 in magnitude, 3 mantissa bits): at most 2^126.8 once scaled, inside bf16's range."""
     s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 3.3230699894622897e35   # 2^118
     if USE_ASM:
         bits = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
