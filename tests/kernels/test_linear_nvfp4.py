@@ -66,15 +66,14 @@ def test_matches_reference_with_planned_tiles(dtype, m, n, k, split_k):
         check(x, *w, split_k=split_k)
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3])
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("splits", [1, 3, 7])
 def test_tensor_core_path_loads_ahead(stages, splits):
-    """num_stages - 1 (1 or 2) K steps loaded ahead: 7 steps of 32 with a partial last one, in one slice
-    or three, and a single-step slice (the look-ahead clamped to it)."""
+    """num_stages - 1 (1 or 2) K steps loaded ahead: 7 steps of 32 with a partial last one, in one slice,
+    three, or seven single-step slices (the look-ahead clamped to the slice)."""
     x, *w = make_inputs(5, 33, 208, torch.bfloat16, seed=stages)
     with ops.use_backend("triton"):
         check(x, *w, plan=make_plan(5, 33, 208, block_n=16, block_k=32, splits=splits, num_stages=stages))
-        check(x, *w, plan=make_plan(5, 33, 208, block_n=16, block_k=32, splits=7, num_stages=stages))
 
 
 def _all_codes_and_scales():
