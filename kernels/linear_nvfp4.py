@@ -61,7 +61,7 @@ linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native)
 # 256, loads one step ahead (151936 x 2048: 119.7 us at M = 8, 137.8 at M = 32; 128-row or shorter-K tiles
 # 130-148 us); weights with fewer than 128 such tiles narrow to 32 and 16 rows and split K (8192 x 2048,
 # M = 32: 12.5 us at (64, 256) in 2 slices; 2048 x 4096, M = 32: 13.7 at (16, 256) in 2).
-TILES_NVFP4 = TileTable(m1=(32, 256), m16=(64, 256), m32=(64, 256), min_tiles=512, min_block_k=32,
+TILES_NVFP4 = TileTable(m1=(128, 256), m16=(64, 256), m32=(64, 256), min_tiles=512, min_block_k=32,
                         min_tiles_dot=128, min_block_n_dot=16, swap_ab=(True, True), dot_stages=(2, 2))
 
 
@@ -152,6 +152,194 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_p
                      other=0).to(tl.int32)                           # [BN, NB] E4M3 bits
         acc += block_sum * (_e4m3_bits_to_f32(sb) * 256.0)
     acc = tl.sum(acc, axis=1) * 64.0                                 # [BN]; the decode's 2^-6 undone
+    if SPLIT:
+        tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
+    else:
+        acc = acc * tl.load(s2_ptr)
+        tl.store(out_ptr + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def _e2m1_word_f16_fma_ptx(w: str, x_pairs: list[str]) -> str:
+    """PTX: the 8 codes of word `w` to E4M3 bytes (the even elements' bytes and the odd ones', each the E2M1
+    value times 2^-6: the signs of all eight masked once, then per output one shift and one `lop3` that takes
+    the exponent-mantissa bits (0x1C) from the shifted word and the rest (the sign) from the shifted signs),
+    widened by the hardware to the fp16 pairs (0, 2), (4, 6), (1, 3), (5, 7), each times its x pair and added
+    to `acc` in fp16 pairs."""
+    return f"""
+    and.b32 v, {w}, 0x88888888;
+    shl.b32 a, {w}, 2;
+    shl.b32 b, v, 4;
+    lop3.b32 e, a, b, 0x1C1C1C1C, 0xE4;
+    shr.b32 a, {w}, 2;
+    lop3.b32 o, a, v, 0x1C1C1C1C, 0xE4;
+    mov.b32 {{l0, l1}}, e;
+    mov.b32 {{l2, l3}}, o;
+    cvt.rn.f16x2.e4m3x2 h0, l0;
+    cvt.rn.f16x2.e4m3x2 h1, l1;
+    cvt.rn.f16x2.e4m3x2 h2, l2;
+    cvt.rn.f16x2.e4m3x2 h3, l3;
+    fma.rn.f16x2 acc, h0, {x_pairs[0]}, acc;
+    fma.rn.f16x2 acc, h1, {x_pairs[1]}, acc;
+    fma.rn.f16x2 acc, h2, {x_pairs[2]}, acc;
+    fma.rn.f16x2 acc, h3, {x_pairs[3]}, acc;"""
+
+
+# One 16-element block of one row for the M = 1 kernel with 16-bit x, on the GPU: $2, $3 the block's two words,
+# $4..$11 the scaled x as fp16 pairs (`_x_pairs`: word 0's then word 1's); $0, $1 the two fp16 halves of the
+# block's sum, each the sum of 8 products, as fp32. `lop3` 0xE4 is (a & c) | (b & ~c).
+_E2M1X16_F16_DOT_PTX = tl.constexpr(
+    "{\n    .reg .b32 v, a, b, e, o, h0, h1, h2, h3, acc;\n    .reg .b16 l0, l1, l2, l3;\n    mov.b32 acc, 0;"
+    + _e2m1_word_f16_fma_ptx("$2", ["$4", "$5", "$6", "$7"])
+    + _e2m1_word_f16_fma_ptx("$3", ["$8", "$9", "$10", "$11"])
+    + "\n    mov.b32 {l0, l1}, acc;\n    cvt.f32.f16 $0, l0;\n    cvt.f32.f16 $1, l1;\n}")
+
+
+@triton.jit
+def _f16x2(lo, hi, USE_ASM: tl.constexpr):
+    """Two fp32 tensors -> int32 words holding them rounded to fp16 (lo in the low half)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(asm="cvt.rn.f16x2.f32 $0, $2, $1;", constraints="=r,r,r",
+                                         args=[lo, hi], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return lo_bits | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _f16x2_f32(p):
+    """int32 words of two fp16 bit patterns -> (low half, high half) as fp32."""
+    return ((p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+            (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def _x_load(xp, mask, x_scale, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(xp).to(tl.float32) * x_scale
+    else:
+        return tl.load(xp, mask=mask, other=0.0).to(tl.float32) * x_scale
+
+
+@triton.jit
+def _x_pairs(xp, stride_xk, mask, x_scale, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """x[k .. k + 8] of each word at xp ([NB] pointers), times x_scale, as the fp16 pairs (0, 2), (4, 6),
+    (1, 3), (5, 7): the order in which `_E2M1X16_F16_DOT_PTX` widens a word."""
+    x0 = _x_load(xp, mask, x_scale, EVEN_K)
+    x1 = _x_load(xp + stride_xk, mask, x_scale, EVEN_K)
+    x2 = _x_load(xp + 2 * stride_xk, mask, x_scale, EVEN_K)
+    x3 = _x_load(xp + 3 * stride_xk, mask, x_scale, EVEN_K)
+    x4 = _x_load(xp + 4 * stride_xk, mask, x_scale, EVEN_K)
+    x5 = _x_load(xp + 5 * stride_xk, mask, x_scale, EVEN_K)
+    x6 = _x_load(xp + 6 * stride_xk, mask, x_scale, EVEN_K)
+    x7 = _x_load(xp + 7 * stride_xk, mask, x_scale, EVEN_K)
+    return (_f16x2(x0, x2, USE_ASM), _f16x2(x4, x6, USE_ASM), _f16x2(x1, x3, USE_ASM),
+            _f16x2(x5, x7, USE_ASM))
+
+
+@triton.jit
+def _f16_fma_pairs(acc_lo, acc_hi, w, x_pair):
+    """The interpreter's `fma.rn.f16x2`: fp32 fma (the product is exact), rounded to fp16."""
+    w_lo, w_hi = _f16x2_f32(w)
+    x_lo, x_hi = _f16x2_f32(x_pair)
+    return ((acc_lo + w_lo * x_lo).to(tl.float16).to(tl.float32),
+            (acc_hi + w_hi * x_hi).to(tl.float16).to(tl.float32))
+
+
+@triton.jit
+def _block_sum_f16(wa, wb, a0, a1, a2, a3, b0, b1, b2, b3, USE_ASM: tl.constexpr):
+    """A 16-element block: its two words [BN, NB] and x pairs [NB] (`_x_pairs`) -> the two fp16 halves of
+    sum_k x_k * E2M1_k * 2^-6 as fp32 [BN, NB]: the PTX on the GPU; in the interpreter the same E4M3 bytes
+    widened through fp16 bits and each fp16 fma rounded the same way."""
+    if USE_ASM:
+        z = tl.zeros(wa.shape, dtype=tl.int32)
+        return tl.inline_asm_elementwise(
+            asm=_E2M1X16_F16_DOT_PTX, constraints="=r,=r,r,r,r,r,r,r,r,r,r,r",
+            args=[wa, wb, z + a0[None, :], z + a1[None, :], z + a2[None, :], z + a3[None, :],
+                  z + b0[None, :], z + b1[None, :], z + b2[None, :], z + b3[None, :]],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        lo = tl.zeros(wa.shape, dtype=tl.float32)
+        hi = tl.zeros(wa.shape, dtype=tl.float32)
+        lo, hi = _word_f16_fma(lo, hi, wa, a0, a1, a2, a3)
+        return _word_f16_fma(lo, hi, wb, b0, b1, b2, b3)
+
+
+@triton.jit
+def _word_f16_fma(lo, hi, w, p0, p1, p2, p3):
+    """The interpreter's half of `_E2M1X16_F16_DOT_PTX` for one word."""
+    even, odd = _e2m1_words_to_e4m3(w)
+    h0, h1 = _e4m3_word_f16x2(even)
+    h2, h3 = _e4m3_word_f16x2(odd)
+    lo, hi = _f16_fma_pairs(lo, hi, h0, p0[None, :])
+    lo, hi = _f16_fma_pairs(lo, hi, h1, p1[None, :])
+    lo, hi = _f16_fma_pairs(lo, hi, h2, p2[None, :])
+    return _f16_fma_pairs(lo, hi, h3, p3[None, :])
+
+
+@triton.jit
+def _e4m3_word_f16x2(w):
+    """The interpreter's `cvt.rn.f16x2.e4m3x2` on both halves of int32 words of 4 E4M3 bytes: fp16 pairs
+    (bytes 0, 1) and (bytes 2, 3) as int32 words of fp16 bits (E4M3 -> fp16 is a re-bias: exact)."""
+    return (_e4m3_f16_bits(w & 0xFF) | (_e4m3_f16_bits((w >> 8) & 0xFF) << 16),
+            _e4m3_f16_bits((w >> 16) & 0xFF) | (_e4m3_f16_bits((w >> 24) & 0xFF) << 16))
+
+
+@triton.jit
+def _e4m3_f16_bits(b):
+    """E4M3 bit patterns (int32, 0..255) -> the fp16 bit patterns of the same values (int32, 0..65535)."""
+    v = _e4m3_bits_to_f32(b) * 256.0
+    return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_per_split,
+                           stride_xk, stride_wn, stride_sn, stride_on,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                           SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+    """M = 1 with 16-bit x: out[n] = sum_k x[k] * w[n, k]. x is first scaled by a power of two 2^e that
+    puts its largest magnitude in this program's K slice in [2^11, 2^12) (exact), then each 16-element block
+    of a row is summed in fp16 pairs (`_E2M1X16_F16_DOT_PTX`: per word 6 integer ops, 4 hardware widenings,
+    4 fp16x2 fmas), the block's two halves times its scale added in fp32, and 2^(6 - e) and
+    `weight_scale_2` multiply the row's sum. Rows past N read row N - 1 (stored nowhere)."""
+    W: tl.constexpr = BLOCK_K // 8                                   # words of a K tile
+    NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # [BN]
+    mask_n = offs_n < N
+    n64 = tl.minimum(offs_n, N - 1).to(tl.int64)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + offs * stride_xk, mask=offs < k_end, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(xv))
+    # amax in [2^(E - 127), 2^(E - 126)) for its biased exponent E: x * 2^(138 - E) stays below 2^12. e is
+    # at most 127 (a scale fp32 holds): a slice whose largest |x| is below 2^-116 keeps x * 2^127 smaller.
+    e = tl.minimum(138 - (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23), 127)
+    x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        word = (k_start + k0) // 8 + tl.arange(0, W)                 # [W] word index along the row
+        blk = (k_start + k0) // 16 + tl.arange(0, NB)                # [NB]
+        xp = x_ptr + blk * 16 * stride_xk
+        if EVEN_K:
+            wv = tl.load(w_ptr + n64[:, None] * stride_wn + word[None, :])                 # [BN, W] int32
+            sb = tl.load(s_ptr + n64[:, None] * stride_sn + blk[None, :])                  # [BN, NB] E4M3
+            mask_b = None
+        else:
+            wv = tl.load(w_ptr + n64[:, None] * stride_wn + word[None, :], mask=(word < K // 8)[None, :], other=0)
+            mask_b = blk < K // 16
+            sb = tl.load(s_ptr + n64[:, None] * stride_sn + blk[None, :], mask=mask_b[None, :], other=0)
+        wa, wb = tl.split(tl.reshape(wv, [BLOCK_N, NB, 2]))          # each block's first and second word
+        a0, a1, a2, a3 = _x_pairs(xp, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
+        b0, b1, b2, b3 = _x_pairs(xp + 8 * stride_xk, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
+        lo, hi = _block_sum_f16(wa, wb, a0, a1, a2, a3, b0, b1, b2, b3, USE_ASM)
+        acc += (lo + hi) * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    # undo 2^-6 (the decode) and 2^e (x) in two exact steps: 2^(6 - e) can leave fp32's normal range
+    acc = tl.sum(acc, axis=1) * ((127 + 6 - (e >> 1)) << 23).to(tl.float32, bitcast=True)
+    acc = acc * ((127 - e + (e >> 1)) << 23).to(tl.float32, bitcast=True)
     if SPLIT:
         tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
     else:
@@ -328,7 +516,14 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     scale_2 = weight_scale_2.reshape(1)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
-    if plan.block_m == 1:
+    if plan.block_m == 1 and x.dtype in (torch.bfloat16, torch.float16):
+        _gemv_nvfp4_f16_kernel[grid](
+            x, words, scale_bits, scale_2, out, part if part is not None else out, n, k, plan.k_per_split,
+            x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
+            BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
+            SPLIT=part is not None, USE_ASM=x.is_cuda,
+            num_warps=plan.num_warps, num_stages=plan.num_stages)
+    elif plan.block_m == 1:
         _gemv_nvfp4_kernel[grid](
             x, words, scale_bits, scale_2, out, part if part is not None else out, n, k, plan.k_per_split,
             x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),

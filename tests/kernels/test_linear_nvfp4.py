@@ -6,6 +6,11 @@ element (one more fp32 rounding each) where the kernel multiplies the sum once. 
 roundings, bounded by 1e-5 * sum_k |x| |w|, then by one rounding of the output dtype, which can put the two
 on adjacent values: 2^-7 (~1e-2) of |y| for bf16, 2^-10 for fp16, ~1e-5 for fp32. A wrong element (a
 nibble swapped, a scale on the wrong block, a K tile dropped) is off by O(sum |x||w|).
+The M = 1 kernel for 16-bit x (`_gemv_nvfp4_f16_kernel`) sums each half of a 16-element block, 8 products, in
+fp16: each of its 8 fmas rounds to 11 bits, at most 2^-11 of the partial sum so far, so a block's sum is off
+by at most 8 * 2^-11 = 2^-8 of its sum |x||w| (x's power-of-two scaling and the fp32 sum of the blocks add
+nothing of that order): its bound is 2^-8 * sum |x||w| (F16_SUM_RTOL) where the others have 1e-5; a wrong
+element still misses by O(sum |x||w|).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
 )
 from mtpfactory.ops import Provider
 from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
-from gemv_common import DTYPES, assert_matches, explicit_plans
+from gemv_common import DTYPES, SUM_RTOL, assert_matches, explicit_plans
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
@@ -39,12 +44,18 @@ def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, devic
     return (x.to(device), *(t.to(device) for t in quantize_nvfp4(w)))
 
 
+F16_SUM_RTOL = 2.0**-8
+
+
 def check(x, weight, scale, scale_2, **kwargs) -> None:
     m, n = x.shape[0], weight.shape[0]
     out = torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device)
     linear_nvfp4_triton(x, weight, scale, scale_2, out=out, **kwargs)
     abs_sum = x.float().abs() @ dequantize_nvfp4(weight, scale, scale_2).abs().T
-    assert_matches(out, _linear_nvfp4_native(x, weight, scale, scale_2), abs_sum)
+    plan = kwargs.get("plan")
+    f16_sums = m == 1 and x.dtype != torch.float32 and (plan is None or plan.block_m == 1)
+    assert_matches(out, _linear_nvfp4_native(x, weight, scale, scale_2), abs_sum,
+                   sum_rtol=F16_SUM_RTOL if f16_sums else SUM_RTOL)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -86,25 +97,38 @@ def _all_codes_and_scales():
     return weight, scale.view(torch.float8_e4m3fn), torch.tensor(2.0**-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)   # M = 1: both GEMV kernels
 @pytest.mark.parametrize("m", [1, 17])
-def test_every_code_and_scale_decodes(m):
+def test_every_code_and_scale_decodes(m, dtype):
     weight, scale, scale_2 = _all_codes_and_scales()
-    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
     with ops.use_backend("triton"):
         check(x, weight, scale, scale_2, plan=make_plan(m, 16, 256, block_n=8, block_k=64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("first,last", [(0, 1), (9, 10), (0, 8), (8, 16)])   # GEMV twice, tl.dot twice
-def test_nibble_order_exact(first, last):
-    # x = rows of the identity picks single columns: y[i, n] = w[n, first + i] exactly, so a swapped
-    # nibble, a shifted scale block or a wrong sign shows as an exact mismatch.
+def test_nibble_order_exact(first, last, dtype):
+    # x = rows of the identity picks single columns: y[i, n] = w[n, first + i] exactly (a single product,
+    # exact in fp16 too; every E2M1 * E4M3 * 2^-10 is exact in bf16), so a swapped nibble, a shifted scale
+    # block, a wrong sign or a misordered fp16 pair shows as an exact mismatch.
     weight, scale, scale_2 = _all_codes_and_scales()
     w = dequantize_nvfp4(weight, scale, scale_2)                                        # [16, 256]
-    x = torch.eye(256)[first:last]
-    out = torch.full((last - first, 16), float("nan"))
+    x = torch.eye(256, dtype=dtype)[first:last]
+    out = torch.full((last - first, 16), float("nan"), dtype=dtype)
     with ops.use_backend("triton"):
         linear_nvfp4_triton(x, weight, scale, scale_2, out=out)
-    assert torch.equal(out, w.T[first:last])
+    assert torch.equal(out, w.T[first:last].to(dtype))
+
+
+@pytest.mark.parametrize("x_scale", [0.0, 2.0**-120, 2.0**-60, 2.0**60, 2.0**100], ids=lambda v: f"{v:g}")
+@pytest.mark.parametrize("split_k", [False, True])
+def test_gemv_f16_sums_scale_x_by_a_power_of_two(x_scale, split_k):
+    """The fp16 block sums stay in range and keep their precision whatever the size of x: the kernel scales
+    x by a power of two per K slice (x near the bottom of bf16's range, near the top, and all zero)."""
+    x, *w = make_inputs(1, 33, 1024, torch.bfloat16, seed=5)
+    with ops.use_backend("triton"):
+        check((x.float() * x_scale).to(torch.bfloat16), *w, split_k=split_k)
 
 
 def test_op_dispatch_and_fallback(monkeypatch):
@@ -146,7 +170,7 @@ def test_planned_nvfp4_tiles():
     fc = plan_for(8, 2048, 4096, True, TILES_NVFP4)
     assert (fc.block_m, fc.block_n, fc.swap_ab, fc.splits, fc.num_stages) == (16, 16, False, 2, 2)
     gemv = plan_for(1, 151936, 2048, True, TILES_NVFP4)
-    assert (gemv.block_m, gemv.block_n, gemv.swap_ab) == (1, 32, False)
+    assert (gemv.block_m, gemv.block_n, gemv.swap_ab) == (1, 128, False)
 
 
 def test_plan_block_m_must_be_a_gemv_or_a_dot():
