@@ -292,10 +292,22 @@ def _e4m3_f16_bits(b):
 
 
 @triton.jit
+def _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The words [BN, BK/8] and scale bytes [BN, BK/16] of the K step from element kk (EVEN_K: inside K)."""
+    word = kk // 8 + tl.arange(0, BLOCK_K // 8)
+    blk = kk // 16 + tl.arange(0, BLOCK_K // 16)
+    if EVEN_K:
+        return tl.load(w_rows + word[None, :]), tl.load(s_rows + blk[None, :])
+    else:
+        return (tl.load(w_rows + word[None, :], mask=(word < K // 8)[None, :], other=0),
+                tl.load(s_rows + blk[None, :], mask=(blk < K // 16)[None, :], other=0))
+
+
+@triton.jit
 def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_per_split,
                            stride_xk, stride_wn, stride_sn, stride_on,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+                           AHEAD: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
     """M = 1 with 16-bit x: out[n] = sum_k x[k] * w[n, k]. x is first scaled by a power of two 2^e that
     puts its largest magnitude in this program's K slice in [2^11, 2^12) (exact), then each 16-element block
     of a row is summed in fp16 pairs (`_E2M1X16_F16_DOT_PTX`: per word 6 integer ops, 4 hardware widenings,
@@ -319,24 +331,26 @@ def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K,
     # at most 127 (a scale fp32 holds): a slice whose largest |x| is below 2^-116 keeps x * 2^127 smaller.
     e = tl.minimum(138 - (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23), 127)
     x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    w_rows = w_ptr + n64[:, None] * stride_wn                        # [BN, 1]
+    s_rows = s_ptr + n64[:, None] * stride_sn
     acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
     for k0 in range(0, k_per_split, BLOCK_K):
-        word = (k_start + k0) // 8 + tl.arange(0, W)                 # [W] word index along the row
+        if AHEAD:   # the next step's words and scales in flight while this one computes (the last reloads)
+            wv_next, sb_next = _gemv_load_step(w_rows, s_rows, k_start + tl.minimum(k0 + BLOCK_K, k_per_split - BLOCK_K),
+                                               K, BLOCK_K, EVEN_K)
         blk = (k_start + k0) // 16 + tl.arange(0, NB)                # [NB]
         xp = x_ptr + blk * 16 * stride_xk
-        if EVEN_K:
-            wv = tl.load(w_ptr + n64[:, None] * stride_wn + word[None, :])                 # [BN, W] int32
-            sb = tl.load(s_ptr + n64[:, None] * stride_sn + blk[None, :])                  # [BN, NB] E4M3
-            mask_b = None
-        else:
-            wv = tl.load(w_ptr + n64[:, None] * stride_wn + word[None, :], mask=(word < K // 8)[None, :], other=0)
-            mask_b = blk < K // 16
-            sb = tl.load(s_ptr + n64[:, None] * stride_sn + blk[None, :], mask=mask_b[None, :], other=0)
+        mask_b = None if EVEN_K else blk < K // 16
         wa, wb = tl.split(tl.reshape(wv, [BLOCK_N, NB, 2]))          # each block's first and second word
         a0, a1, a2, a3 = _x_pairs(xp, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
         b0, b1, b2, b3 = _x_pairs(xp + 8 * stride_xk, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
         lo, hi = _block_sum_f16(wa, wb, a0, a1, a2, a3, b0, b1, b2, b3, USE_ASM)
         acc += (lo + hi) * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if AHEAD:
+            wv, sb = wv_next, sb_next
+        else:
+            wv, sb = _gemv_load_step(w_rows, s_rows, k_start + k0 + BLOCK_K, K, BLOCK_K, EVEN_K)
     # undo 2^-6 (the decode) and 2^e (x) in two exact steps: 2^(6 - e) can leave fp32's normal range
     acc = tl.sum(acc, axis=1) * ((127 + 6 - (e >> 1)) << 23).to(tl.float32, bitcast=True)
     acc = acc * ((127 - e + (e >> 1)) << 23).to(tl.float32, bitcast=True)
@@ -521,8 +535,8 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
             x, words, scale_bits, scale_2, out, part if part is not None else out, n, k, plan.k_per_split,
             x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
             BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
-            SPLIT=part is not None, USE_ASM=x.is_cuda,
-            num_warps=plan.num_warps, num_stages=plan.num_stages)
+            AHEAD=plan.num_stages > 1, SPLIT=part is not None, USE_ASM=x.is_cuda,
+            num_warps=plan.num_warps, num_stages=1)
     elif plan.block_m == 1:
         _gemv_nvfp4_kernel[grid](
             x, words, scale_bits, scale_2, out, part if part is not None else out, n, k, plan.k_per_split,

@@ -121,6 +121,20 @@ def test_nibble_order_exact(first, last, dtype):
     assert torch.equal(out, w.T[first:last].to(dtype))
 
 
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gemv_f16_sums_with_and_without_look_ahead(stages, splits, dtype):
+    """The 16-bit-x GEMV loads the next K step's words ahead of its sums (num_stages > 1) or not: 7 steps of
+    32 with a partial last one, in one slice or three (the look-ahead of a slice's last step reloads it)."""
+    x, *w = make_inputs(1, 33, 208, dtype, seed=stages)
+    with ops.use_backend("triton"):
+        check(x, *w, plan=make_plan(1, 33, 208, block_n=16, block_k=32, splits=splits, block_m=1, num_stages=stages))
+    x, *w = make_inputs(1, 33, 192, dtype, seed=stages)           # every step whole: no K masks
+    with ops.use_backend("triton"):
+        check(x, *w, plan=make_plan(1, 33, 192, block_n=16, block_k=32, splits=splits, block_m=1, num_stages=stages))
+
+
 @pytest.mark.parametrize("x_scale", [0.0, 2.0**-120, 2.0**-60, 2.0**60, 2.0**100], ids=lambda v: f"{v:g}")
 @pytest.mark.parametrize("split_k", [False, True])
 def test_gemv_f16_sums_scale_x_by_a_power_of_two(x_scale, split_k):
