@@ -5,12 +5,16 @@ weight_scale_2 one fp32 number.
 Hopper has no FP4 tensor cores and `tl.dot_scaled` with e2m1 does not compile there (Triton 3.6), so the
 Triton provider decodes in registers; it shares `linear.py`'s plan and split-K reduction. The weight is
 read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j in byte j's low nibble).
-- M = 1 (`_gemv_nvfp4_kernel`), CUDA-core FMAs: `_e2m1_words_to_e4m3` turns a word into two words of E4M3
-  bytes, the even and the odd elements, four codes per integer op, each byte exactly the E2M1 value times
-  2^-6 (E2M1's exponent and mantissa land in the E4M3 exponent's low bits and mantissa's top bit; the E2M1
-  subnormal 0.5 lands on an E4M3 subnormal); on the GPU the hardware widens E4M3 pairs to fp16 pairs
-  (`cvt.rn.f16x2.e4m3x2`, inline PTX; the interpreter, which has no inline asm, decodes the same bits
-  through fp16); FMAs of the exact E2M1 values with x, each 16-element block's sum times its scale once.
+- M = 1 with bf16 / fp16 x (`_gemv_nvfp4_f16_kernel`), CUDA cores: x is scaled by a power of two that puts
+  its largest magnitude in the program's K slice in [2^11, 2^12) (exact); each word becomes E4M3 bytes, the
+  even and the odd elements (6 integer ops a word: `_E2M1X16_F16_DOT_PTX`), the hardware widens those to
+  fp16 pairs (`cvt.rn.f16x2.e4m3x2`), and fp16x2 fmas sum each half of a 16-element block (8 products,
+  within 2^-8 of the block's sum |x||w|: see the tests); each block's sum times its scale is added in fp32.
+  Its K loop: 2.98 sm_90 instructions per element at its tile, 3.14 with the look-ahead of the words (the
+  fp32 kernel below: 5.4).
+- M = 1 with fp32 x (`_gemv_nvfp4_kernel`), exact fp32 FMAs: `_e2m1_words_to_e4m3` turns a word into two
+  words of E4M3 bytes the same way, the hardware widens them to fp32 through fp16 (the interpreter, which has
+  no inline asm, decodes the same bits through fp16), each 16-element block's sum times its scale once.
 - 1 <= M <= 32 (`_gemm_nvfp4_kernel`, the planner uses it from M = 2), tensor cores: `_e2m1x8_scaled`
   builds bf16 pairs from the word with two shifts and masks a pair (elements i and i + 4, whose nibbles
   lie 16 bits apart), each the E2M1 value times 2^-126, and one bf16x2 multiply by the block scale times
@@ -55,13 +59,14 @@ def _linear_nvfp4_native(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native)
 
-# From the H200 sweeps (scripts/tune_gemv.py). M = 1, 2026-12-02: the CUDA-core GEMV, bound by its decode
-# (151936 x 2048 at (32, 256): 76.3 us; the tensor-core kernel on 16 rows of x: 108 us at best, 2026-12-03).
+# From the H200 sweeps (scripts/tune_gemv.py). M = 1, 2026-12-03: the fp16-sum GEMV at (64, 256), 4 warps,
+# the words loaded a step ahead: 151936 x 2048 61.4 us, 154880 x 4096 114.1 us (128 x 256: 62.3 / 134.4;
+# 32 x 256: 64.5 / 121.8; 8 warps slower); the fp32 GEMV it replaces for 16-bit x was 76.5 / 146.8.
 # The tensor-core kernel, 2026-12-03: 64-row tiles, the decoded tile the dot's first operand, K steps of
 # 256, loads one step ahead (151936 x 2048: 119.7 us at M = 8, 137.8 at M = 32; 128-row or shorter-K tiles
 # 130-148 us); weights with fewer than 128 such tiles narrow to 32 and 16 rows and split K (8192 x 2048,
 # M = 32: 12.5 us at (64, 256) in 2 slices; 2048 x 4096, M = 32: 13.7 at (16, 256) in 2).
-TILES_NVFP4 = TileTable(m1=(128, 256), m16=(64, 256), m32=(64, 256), min_tiles=512, min_block_k=32,
+TILES_NVFP4 = TileTable(m1=(64, 256), m16=(64, 256), m32=(64, 256), min_tiles=512, min_block_k=32,
                         min_tiles_dot=128, min_block_n_dot=16, swap_ab=(True, True), dot_stages=(2, 2))
 
 
@@ -334,11 +339,14 @@ def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K,
     w_rows = w_ptr + n64[:, None] * stride_wn                        # [BN, 1]
     s_rows = s_ptr + n64[:, None] * stride_sn
     acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
-    wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
+    if AHEAD:
+        wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
     for k0 in range(0, k_per_split, BLOCK_K):
         if AHEAD:   # the next step's words and scales in flight while this one computes (the last reloads)
             wv_next, sb_next = _gemv_load_step(w_rows, s_rows, k_start + tl.minimum(k0 + BLOCK_K, k_per_split - BLOCK_K),
                                                K, BLOCK_K, EVEN_K)
+        else:
+            wv, sb = _gemv_load_step(w_rows, s_rows, k_start + k0, K, BLOCK_K, EVEN_K)
         blk = (k_start + k0) // 16 + tl.arange(0, NB)                # [NB]
         xp = x_ptr + blk * 16 * stride_xk
         mask_b = None if EVEN_K else blk < K // 16
@@ -349,8 +357,6 @@ def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K,
         acc += (lo + hi) * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if AHEAD:
             wv, sb = wv_next, sb_next
-        else:
-            wv, sb = _gemv_load_step(w_rows, s_rows, k_start + k0 + BLOCK_K, K, BLOCK_K, EVEN_K)
     # undo 2^-6 (the decode) and 2^e (x) in two exact steps: 2^(6 - e) can leave fp32's normal range
     acc = tl.sum(acc, axis=1) * ((127 + 6 - (e >> 1)) << 23).to(tl.float32, bitcast=True)
     acc = acc * ((127 - e + (e >> 1)) << 23).to(tl.float32, bitcast=True)

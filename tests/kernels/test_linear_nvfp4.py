@@ -184,7 +184,7 @@ def test_planned_nvfp4_tiles():
     fc = plan_for(8, 2048, 4096, True, TILES_NVFP4)
     assert (fc.block_m, fc.block_n, fc.swap_ab, fc.splits, fc.num_stages) == (16, 16, False, 2, 2)
     gemv = plan_for(1, 151936, 2048, True, TILES_NVFP4)
-    assert (gemv.block_m, gemv.block_n, gemv.swap_ab) == (1, 128, False)
+    assert (gemv.block_m, gemv.block_n, gemv.swap_ab) == (1, 64, False)
 
 
 def test_plan_block_m_must_be_a_gemv_or_a_dot():
