@@ -309,6 +309,20 @@ def _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.con
 
 
 @triton.jit
+def _gemv_operands(w_rows, s_rows, x_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   USE_ASM: tl.constexpr):
+    """The K step from element kk: its words and scale bytes (`_gemv_load_step`) and each block's x pairs
+    (`_x_pairs`: the block's first word's four, then its second word's)."""
+    wv, sb = _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K, EVEN_K)
+    blk = kk // 16 + tl.arange(0, BLOCK_K // 16)                     # [NB]
+    xp = x_ptr + blk * 16 * stride_xk
+    mask_b = None if EVEN_K else blk < K // 16
+    a0, a1, a2, a3 = _x_pairs(xp, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
+    b0, b1, b2, b3 = _x_pairs(xp + 8 * stride_xk, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
+    return wv, sb, a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@triton.jit
 def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_per_split,
                            stride_xk, stride_wn, stride_sn, stride_on,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -340,23 +354,20 @@ def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K,
     s_rows = s_ptr + n64[:, None] * stride_sn
     acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     if AHEAD:
-        wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
+        wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_operands(w_rows, s_rows, x_ptr, k_start, K, stride_xk, x_scale,
+                                                               BLOCK_K, EVEN_K, USE_ASM)
     for k0 in range(0, k_per_split, BLOCK_K):
-        if AHEAD:   # the next step's words and scales in flight while this one computes (the last reloads)
-            wv_next, sb_next = _gemv_load_step(w_rows, s_rows, k_start + tl.minimum(k0 + BLOCK_K, k_per_split - BLOCK_K),
-                                               K, BLOCK_K, EVEN_K)
+        if AHEAD:   # the next step's operands in flight while this one computes (the last step reloads itself)
+            kk = k_start + tl.minimum(k0 + BLOCK_K, k_per_split - BLOCK_K)
+            nxt = _gemv_operands(w_rows, s_rows, x_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K, USE_ASM)
         else:
-            wv, sb = _gemv_load_step(w_rows, s_rows, k_start + k0, K, BLOCK_K, EVEN_K)
-        blk = (k_start + k0) // 16 + tl.arange(0, NB)                # [NB]
-        xp = x_ptr + blk * 16 * stride_xk
-        mask_b = None if EVEN_K else blk < K // 16
+            wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_operands(w_rows, s_rows, x_ptr, k_start + k0, K, stride_xk,
+                                                                   x_scale, BLOCK_K, EVEN_K, USE_ASM)
         wa, wb = tl.split(tl.reshape(wv, [BLOCK_N, NB, 2]))          # each block's first and second word
-        a0, a1, a2, a3 = _x_pairs(xp, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
-        b0, b1, b2, b3 = _x_pairs(xp + 8 * stride_xk, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
         lo, hi = _block_sum_f16(wa, wb, a0, a1, a2, a3, b0, b1, b2, b3, USE_ASM)
         acc += (lo + hi) * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if AHEAD:
-            wv, sb = wv_next, sb_next
+            wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = nxt
     # undo 2^-6 (the decode) and 2^e (x) in two exact steps: 2^(6 - e) can leave fp32's normal range
     acc = tl.sum(acc, axis=1) * ((127 + 6 - (e >> 1)) << 23).to(tl.float32, bitcast=True)
     acc = acc * ((127 - e + (e >> 1)) << 23).to(tl.float32, bitcast=True)
