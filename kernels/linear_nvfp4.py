@@ -309,16 +309,24 @@ def _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.con
 
 
 @triton.jit
-def _gemv_operands(w_rows, s_rows, x_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   USE_ASM: tl.constexpr):
-    """The K step from element kk: its words and scale bytes (`_gemv_load_step`) and each block's x pairs
-    (`_x_pairs`: the block's first word's four, then its second word's)."""
-    wv, sb = _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K, EVEN_K)
+def _gemv_x_step(x_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_ASM: tl.constexpr):
+    """Each block's x pairs of the K step from element kk (`_x_pairs`: the block's first word's four, then
+    its second word's)."""
     blk = kk // 16 + tl.arange(0, BLOCK_K // 16)                     # [NB]
     xp = x_ptr + blk * 16 * stride_xk
     mask_b = None if EVEN_K else blk < K // 16
     a0, a1, a2, a3 = _x_pairs(xp, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
     b0, b1, b2, b3 = _x_pairs(xp + 8 * stride_xk, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@triton.jit
+def _gemv_operands(w_rows, s_rows, x_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   USE_ASM: tl.constexpr):
+    """The K step from element kk: its words and scale bytes, and its x pairs."""
+    wv, sb = _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K, EVEN_K)
+    a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K, USE_ASM)
     return wv, sb, a0, a1, a2, a3, b0, b1, b2, b3
 
 
@@ -341,6 +349,10 @@ def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K,
     n64 = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    w_rows = w_ptr + n64[:, None] * stride_wn                        # [BN, 1]
+    s_rows = s_ptr + n64[:, None] * stride_sn
+    if AHEAD:   # the first step's words in flight during the scan of x below
+        wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
@@ -350,12 +362,9 @@ def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K,
     # at most 127 (a scale fp32 holds): a slice whose largest |x| is below 2^-116 keeps x * 2^127 smaller.
     e = tl.minimum(138 - (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23), 127)
     x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    w_rows = w_ptr + n64[:, None] * stride_wn                        # [BN, 1]
-    s_rows = s_ptr + n64[:, None] * stride_sn
     acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     if AHEAD:
-        wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_operands(w_rows, s_rows, x_ptr, k_start, K, stride_xk, x_scale,
-                                                               BLOCK_K, EVEN_K, USE_ASM)
+        a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, k_start, K, stride_xk, x_scale, BLOCK_K, EVEN_K, USE_ASM)
     for k0 in range(0, k_per_split, BLOCK_K):
         if AHEAD:   # the next step's operands in flight while this one computes (the last step reloads itself)
             kk = k_start + tl.minimum(k0 + BLOCK_K, k_per_split - BLOCK_K)
