@@ -340,7 +340,6 @@ def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K,
     of a row is summed in fp16 pairs (`_E2M1X16_F16_DOT_PTX`: per word 6 integer ops, 4 hardware widenings,
     4 fp16x2 fmas), the block's two halves times its scale added in fp32, and 2^(6 - e) and
     `weight_scale_2` multiply the row's sum. Rows past N read row N - 1 (stored nowhere)."""
-    W: tl.constexpr = BLOCK_K // 8                                   # words of a K tile
     NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
