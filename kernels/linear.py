@@ -86,11 +86,9 @@ class TileTable:
 
 
 TILES_16BIT = TileTable(m1=(2, 1024), m16=(128, 128), m32=(128, 128))
-# FP8 with all the NVFP4 rules (64-row swapped tiles at M = 32, 16-row tiles on small weights) ran slower on
-# 5 of the 10 M = 8 / 32 shapes of the 2026-12-03 benchmark (2048 x 4096, M = 8: 9.7 against 7.6 us). Only
-# the M = 32 tile is taken from them: (64, 256) swapped on the LM heads (154880 x 4096: 195.6 us in the
-# sweep against 215.8 at (128, 128)); smaller weights narrow to the same (32, 256) tiles as before.
-TILES_FP8 = TileTable(m1=(16, 256), m16=(64, 256), m32=(64, 256), swap_ab=(False, True))
+# FP8 with the NVFP4 rules (64-row swapped tiles at M = 32, 16-row tiles on small weights) ran slower on 5
+# of the 10 M = 8 / 32 shapes of the 2026-12-03 benchmark (2048 x 4096, M = 8: 9.7 against 7.6 us): kept.
+TILES_FP8 = TileTable(m1=(16, 256), m16=(64, 256), m32=(128, 128))
 _MAX_SPLITS = 8
 
 
