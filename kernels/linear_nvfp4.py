@@ -5,14 +5,15 @@ weight_scale_2 one fp32 number.
 Hopper has no FP4 tensor cores and `tl.dot_scaled` with e2m1 does not compile there (Triton 3.6), so the
 Triton provider decodes in registers; it shares `linear.py`'s plan and split-K reduction. The weight is
 read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j in byte j's low nibble).
-- M = 1 with bf16 / fp16 x (`_gemv_nvfp4_f16_kernel`), CUDA cores: x is scaled by a power of two that puts
+- M = 1 with bf16 / fp16 x on weights with many rows (`_gemv_nvfp4_f16_kernel`, programs of 16 rows or
+  more: `uses_f16_gemv`), CUDA cores: x is scaled by a power of two that puts
   its largest magnitude in the program's K slice in [2^11, 2^12) (exact); each word becomes E4M3 bytes, the
   even and the odd elements (6 integer ops a word: `_E2M1X16_F16_DOT_PTX`), the hardware widens those to
   fp16 pairs (`cvt.rn.f16x2.e4m3x2`), and fp16x2 fmas sum each half of a 16-element block (8 products,
   within 2^-8 of the block's sum |x||w|: see the tests); each block's sum times its scale is added in fp32.
   Its K loop: 2.98 sm_90 instructions per element at its tile, 3.14 with the look-ahead of the words (the
   fp32 kernel below: 5.4).
-- M = 1 with fp32 x (`_gemv_nvfp4_kernel`), exact fp32 FMAs: `_e2m1_words_to_e4m3` turns a word into two
+- M = 1 otherwise (`_gemv_nvfp4_kernel`: fp32 x, and programs of few rows), exact fp32 FMAs: `_e2m1_words_to_e4m3` turns a word into two
   words of E4M3 bytes the same way, the hardware widens them to fp32 through fp16 (the interpreter, which has
   no inline asm, decodes the same bits through fp16), each 16-element block's sum times its scale once.
 - 1 <= M <= 32 (`_gemm_nvfp4_kernel`, the planner uses it from M = 2), tensor cores: `_e2m1x8_scaled`
@@ -526,6 +527,18 @@ def _gemm_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, 
     store_tile(acc, out_ptr, part_ptr, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om, stride_on, SPLIT)
 
 
+# The fp16-sum GEMV scans its K slice of x once per program for the scale; on programs of fewer rows than
+# this the scan outweighs the rows' work and the fp32 GEMV is faster (2026-12-03: 2048 x 4096, planned at
+# 4 rows a program, 7.5 us against 5.6; 512 x 2048 at 1 row, 4.7 against 3.3).
+F16_GEMV_MIN_ROWS = 16
+
+
+def uses_f16_gemv(x: torch.Tensor, plan: GemvPlan) -> bool:
+    """Whether a GEMV plan runs `_gemv_nvfp4_f16_kernel` (16-bit x, programs of F16_GEMV_MIN_ROWS rows or
+    more) rather than the fp32 `_gemv_nvfp4_kernel`."""
+    return plan.block_m == 1 and x.dtype in (torch.bfloat16, torch.float16) and plan.block_n >= F16_GEMV_MIN_ROWS
+
+
 def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         weight_scale_2: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,
                         plan: GemvPlan | None = None) -> torch.Tensor:
@@ -555,7 +568,7 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     scale_2 = weight_scale_2.reshape(1)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
-    if plan.block_m == 1 and x.dtype in (torch.bfloat16, torch.float16):
+    if uses_f16_gemv(x, plan):
         _gemv_nvfp4_f16_kernel[grid](
             x, words, scale_bits, scale_2, out, part if part is not None else out, n, k, plan.k_per_split,
             x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),

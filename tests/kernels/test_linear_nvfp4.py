@@ -6,8 +6,9 @@ element (one more fp32 rounding each) where the kernel multiplies the sum once. 
 roundings, bounded by 1e-5 * sum_k |x| |w|, then by one rounding of the output dtype, which can put the two
 on adjacent values: 2^-7 (~1e-2) of |y| for bf16, 2^-10 for fp16, ~1e-5 for fp32. A wrong element (a
 nibble swapped, a scale on the wrong block, a K tile dropped) is off by O(sum |x||w|).
-The M = 1 kernel for 16-bit x (`_gemv_nvfp4_f16_kernel`) sums each half of a 16-element block, 8 products, in
-fp16: each of its 8 fmas rounds to 11 bits, at most 2^-11 of the partial sum so far, so a block's sum is off
+The M = 1 kernel for 16-bit x on programs of 16 rows or more (`uses_f16_gemv`) sums each half of a
+16-element block, 8 products, in fp16: each of its 8 fmas rounds to 11 bits, at most 2^-11 of the partial
+sum so far, so a block's sum is off
 by at most 8 * 2^-11 = 2^-8 of its sum |x||w| (x's power-of-two scaling and the fp32 sum of the blocks add
 nothing of that order): its bound is 2^-8 * sum |x||w| (F16_SUM_RTOL) where the others have 1e-5; a wrong
 element still misses by O(sum |x||w|).
@@ -27,6 +28,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
     TILES_NVFP4,
     linear_nvfp4,
     linear_nvfp4_triton,
+    uses_f16_gemv,
 )
 from mtpfactory.ops import Provider
 from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
@@ -52,8 +54,8 @@ def check(x, weight, scale, scale_2, **kwargs) -> None:
     out = torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device)
     linear_nvfp4_triton(x, weight, scale, scale_2, out=out, **kwargs)
     abs_sum = x.float().abs() @ dequantize_nvfp4(weight, scale, scale_2).abs().T
-    plan = kwargs.get("plan")
-    f16_sums = m == 1 and x.dtype != torch.float32 and (plan is None or plan.block_m == 1)
+    plan = kwargs.get("plan") or plan_for(m, n, x.shape[1], kwargs.get("split_k", False), TILES_NVFP4)
+    f16_sums = uses_f16_gemv(x, plan)
     assert_matches(out, _linear_nvfp4_native(x, weight, scale, scale_2), abs_sum,
                    sum_rtol=F16_SUM_RTOL if f16_sums else SUM_RTOL)
 
@@ -102,8 +104,8 @@ def _all_codes_and_scales():
 def test_every_code_and_scale_decodes(m, dtype):
     weight, scale, scale_2 = _all_codes_and_scales()
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
-    with ops.use_backend("triton"):
-        check(x, weight, scale, scale_2, plan=make_plan(m, 16, 256, block_n=8, block_k=64))
+    with ops.use_backend("triton"):   # 16 rows: M = 1 with bf16 x runs the fp16-sum GEMV
+        check(x, weight, scale, scale_2, plan=make_plan(m, 16, 256, block_n=16, block_k=64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -116,8 +118,9 @@ def test_nibble_order_exact(first, last, dtype):
     w = dequantize_nvfp4(weight, scale, scale_2)                                        # [16, 256]
     x = torch.eye(256, dtype=dtype)[first:last]
     out = torch.full((last - first, 16), float("nan"), dtype=dtype)
+    plan = make_plan(1, 16, 256, block_n=16, block_k=64, block_m=1) if last - first == 1 else None  # 16 rows
     with ops.use_backend("triton"):
-        linear_nvfp4_triton(x, weight, scale, scale_2, out=out)
+        linear_nvfp4_triton(x, weight, scale, scale_2, out=out, plan=plan)
     assert torch.equal(out, w.T[first:last].to(dtype))
 
 
@@ -234,14 +237,15 @@ def test_gpu_every_path(m):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_every_code_and_scale_decodes():
     # x = rows of the identity read back every column of the [16, 256] weight exactly, on the tl.dot path
-    # (16 columns a launch) and on the FMA path (one a launch): every code pair under every scale pattern
+    # (16 columns a launch) and on both GEMVs (one a launch): every code pair under every scale pattern
     weight, scale, scale_2 = (t.cuda() for t in _all_codes_and_scales())
     want = dequantize_nvfp4(weight, scale, scale_2).T.to(torch.bfloat16)                 # [256, 16]
     eye = torch.eye(256, device="cuda", dtype=torch.bfloat16)
-    for m in (1, 16):
+    f16_gemv = make_plan(1, 16, 256, block_n=16, block_k=64, block_m=1)        # the fp16-sum GEMV's rows
+    for m, plan in ((1, None), (1, f16_gemv), (16, None)):
         for first in range(0, 256, m):
-            out = linear_nvfp4_triton(eye[first:first + m], weight, scale, scale_2)
-            assert torch.equal(out, want[first:first + m]), (m, first)
+            out = linear_nvfp4_triton(eye[first:first + m], weight, scale, scale_2, plan=plan)
+            assert torch.equal(out, want[first:first + m]), (m, plan, first)
 
 
 @pytest.mark.gpu
