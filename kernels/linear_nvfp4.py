@@ -61,8 +61,9 @@ def _linear_nvfp4_native(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native)
 
 # From the H200 sweeps (scripts/tune_gemv.py). M = 1, 2026-12-03: the fp16-sum GEMV at (64, 256), 4 warps,
-# the words loaded a step ahead: 151936 x 2048 61.4 us, 154880 x 4096 114.1 us (128 x 256: 62.3 / 134.4;
-# 32 x 256: 64.5 / 121.8; 8 warps slower); the fp32 GEMV it replaces for 16-bit x was 76.5 / 146.8.
+# one step ahead: 151936 x 2048 58.9 us, 154880 x 4096 122.8 (128 x 256: 58.6 / 134.4; 32 x 256: 64.5 /
+# 121.8; 2 warps 58.1 / 130.5; 8 warps slower); looking ahead at the words only, not x: 61.4 / 115.1. The
+# fp32 GEMV it replaces for 16-bit x: 76.5 / 146.8.
 # The tensor-core kernel, 2026-12-03: 64-row tiles, the decoded tile the dot's first operand, K steps of
 # 256, loads one step ahead (151936 x 2048: 119.7 us at M = 8, 137.8 at M = 32; 128-row or shorter-K tiles
 # 130-148 us); weights with fewer than 128 such tiles narrow to 32 and 16 rows and split K (8192 x 2048,

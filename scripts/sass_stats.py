@@ -2,14 +2,15 @@
 for sm_90 with Triton's own ptxas, disassembles it with the bundled nvdisasm, and prints the instructions
 of its K loop per weight element and thread, with a histogram and the shared-memory store widths.
 
-A kernel that is bound by its decode arithmetic (the NVFP4 GEMV) runs at about
+A kernel that is bound by its decode arithmetic (the fp32 NVFP4 GEMV was) runs at about
     elements * instructions per element / (132 SMs * 128 lanes * clock)
 at best, the clock 1.98 GHz at most and 1.77 GHz as Nsight Compute saw it under that load; `BENCHMARKS.md`
 quotes these counts. Pointer and size arguments are marked divisible by 16 and the unit strides of x and
-out specialized to 1, as Triton's launcher does at the real shapes.
+out specialized to 1, as Triton's launcher does at the real shapes. `nvfp4-gemv` is the kernel M = 1 with
+bf16 x runs on the LM heads (`_gemv_nvfp4_f16_kernel`), with its one-step look-ahead when --stages > 1.
 
     python3 scripts/sass_stats.py nvfp4-gemm --tile 32,64,256 --swap --stages 2
-    python3 scripts/sass_stats.py nvfp4-gemv --tile 1,32,256
+    python3 scripts/sass_stats.py nvfp4-gemv --tile 1,64,256 --stages 2
     python3 scripts/sass_stats.py {bf16,fp8}-{gemv,gemm} ...  [--warps 4] [--stages 3] [--sass out.sass]
 """
 
