@@ -5,17 +5,17 @@ weight_scale_2 one fp32 number.
 Hopper has no FP4 tensor cores and `tl.dot_scaled` with e2m1 does not compile there (Triton 3.6), so the
 Triton provider decodes in registers; it shares `linear.py`'s plan and split-K reduction. The weight is
 read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j in byte j's low nibble).
-- M = 1 with bf16 / fp16 x on weights with many rows (`_gemv_nvfp4_f16_kernel`, programs of 16 rows or
-  more: `uses_f16_gemv`), CUDA cores: x is scaled by a power of two that puts
-  its largest magnitude in the program's K slice in [2^11, 2^12) (exact); each word becomes E4M3 bytes, the
-  even and the odd elements (6 integer ops a word: `_E2M1X16_F16_DOT_PTX`), the hardware widens those to
-  fp16 pairs (`cvt.rn.f16x2.e4m3x2`), and fp16x2 fmas sum each half of a 16-element block (8 products,
-  within 2^-8 of the block's sum |x||w|: see the tests); each block's sum times its scale is added in fp32.
-  Its K loop: 2.98 sm_90 instructions per element at its tile, 3.14 with the look-ahead of the words (the
-  fp32 kernel below: 5.4).
-- M = 1 otherwise (`_gemv_nvfp4_kernel`: fp32 x, and programs of few rows), exact fp32 FMAs: `_e2m1_words_to_e4m3` turns a word into two
-  words of E4M3 bytes the same way, the hardware widens them to fp32 through fp16 (the interpreter, which has
-  no inline asm, decodes the same bits through fp16), each 16-element block's sum times its scale once.
+- M = 1 with bf16 / fp16 x on programs of 16 rows or more (`_gemv_nvfp4_f16_kernel`, `uses_f16_gemv`),
+  CUDA cores: x is scaled by a power of two that puts its largest magnitude in the program's K slice in
+  [2^11, 2^12) (exact); each word becomes E4M3 bytes, the even and the odd elements (6 integer ops a word:
+  `_E2M1X16_F16_DOT_PTX`), the hardware widens those to fp16 pairs (`cvt.rn.f16x2.e4m3x2`), and fp16x2 fmas
+  sum each half of a 16-element block (8 products, within 2^-8 of the block's sum |x||w|: see the tests);
+  each block's sum times its scale is added in fp32. Its K loop: 3.09 sm_90 instructions per element at its
+  tile with the next step's words, scales and x loaded ahead (the fp32 kernel below: 5.4).
+- M = 1 otherwise (`_gemv_nvfp4_kernel`: fp32 x, and programs of few rows), exact fp32 FMAs:
+  `_e2m1_words_to_e4m3` turns a word into two words of E4M3 bytes the same way, the hardware widens them to
+  fp32 through fp16 (the interpreter, which has no inline asm, decodes the same bits through fp16), each
+  16-element block's sum times its scale once.
 - 1 <= M <= 32 (`_gemm_nvfp4_kernel`, the planner uses it from M = 2), tensor cores: `_e2m1x8_scaled`
   builds bf16 pairs from the word with two shifts and masks a pair (elements i and i + 4, whose nibbles
   lie 16 bits apart), each the E2M1 value times 2^-126, and one bf16x2 multiply by the block scale times
@@ -221,6 +221,7 @@ def _f16x2_f32(p):
 
 @triton.jit
 def _x_load(xp, mask, x_scale, EVEN_K: tl.constexpr):
+    """x at the pointers xp (masked unless EVEN_K) as fp32 times x_scale."""
     if EVEN_K:
         return tl.load(xp).to(tl.float32) * x_scale
     else:
@@ -546,7 +547,8 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     """x [M, K] @ dequantize_nvfp4(weight [N, K/2], weight_scale [N, K/16], weight_scale_2)^T -> [M, N] in
     x's dtype; arguments as `linear_triton` (a `plan`'s block_k must be a multiple of 16, its block_m 1, 16
     or 32; on the tensor-core path its num_stages - 1, 1 or 2, is how many K steps ahead the kernel loads:
-    Triton's own pipeliner does not take loads that feed arithmetic before the dot)."""
+    Triton's own pipeliner does not take loads that feed arithmetic before the dot; the fp16-sum GEMV loads
+    one step ahead when num_stages > 1)."""
     m, k = x.shape
     n = weight.shape[0]
     if (k % NVFP4_BLOCK or weight.shape[1] * 2 != k or weight.stride(1) != 1 or weight.stride(0) % 4
