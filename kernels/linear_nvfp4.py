@@ -312,37 +312,86 @@ def _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.con
 
 
 @triton.jit
-def _gemv_x_step(x_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_ASM: tl.constexpr):
+def _gemv_x_step(x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr):
     """Each block's x pairs of the K step from element kk (`_x_pairs`: the block's first word's four, then
-    its second word's)."""
+    its second word's): with X_PAIRS the 8 int32 of each block that `_x_f16_pairs_kernel` wrote, else built
+    here from x."""
     blk = kk // 16 + tl.arange(0, BLOCK_K // 16)                     # [NB]
-    xp = x_ptr + blk * 16 * stride_xk
     mask_b = None if EVEN_K else blk < K // 16
-    a0, a1, a2, a3 = _x_pairs(xp, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
-    b0, b1, b2, b3 = _x_pairs(xp + 8 * stride_xk, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
-    return a0, a1, a2, a3, b0, b1, b2, b3
+    if X_PAIRS:
+        pp = pairs_ptr + blk * 8
+        if EVEN_K:
+            return (tl.load(pp), tl.load(pp + 1), tl.load(pp + 2), tl.load(pp + 3),
+                    tl.load(pp + 4), tl.load(pp + 5), tl.load(pp + 6), tl.load(pp + 7))
+        else:
+            return (tl.load(pp, mask=mask_b, other=0), tl.load(pp + 1, mask=mask_b, other=0),
+                    tl.load(pp + 2, mask=mask_b, other=0), tl.load(pp + 3, mask=mask_b, other=0),
+                    tl.load(pp + 4, mask=mask_b, other=0), tl.load(pp + 5, mask=mask_b, other=0),
+                    tl.load(pp + 6, mask=mask_b, other=0), tl.load(pp + 7, mask=mask_b, other=0))
+    else:
+        xp = x_ptr + blk * 16 * stride_xk
+        a0, a1, a2, a3 = _x_pairs(xp, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
+        b0, b1, b2, b3 = _x_pairs(xp + 8 * stride_xk, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
+        return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
-def _gemv_operands(w_rows, s_rows, x_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   USE_ASM: tl.constexpr):
+def _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr):
     """The K step from element kk: its words and scale bytes, and its x pairs."""
     wv, sb = _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K, EVEN_K)
-    a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K, USE_ASM)
+    a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K,
+                                                  X_PAIRS, USE_ASM)
     return wv, sb, a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
-def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_per_split,
+def _x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK: tl.constexpr):
+    """The power of two e (int32) that puts the largest |x| of x[k_start:k_end] in [2^11, 2^12): amax lies in
+    [2^(E - 127), 2^(E - 126)) for its biased exponent E, so x * 2^(138 - E) stays below 2^12. e is at most
+    127 (a scale fp32 holds): a slice whose largest |x| is below 2^-116 keeps x * 2^127 smaller."""
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        xv = tl.load(x_ptr + offs * stride_xk, mask=offs < k_end, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(xv))
+    return tl.minimum(138 - (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23), 127)
+
+
+@triton.jit
+def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xk, BLOCK: tl.constexpr,
+                        USE_ASM: tl.constexpr):
+    """The x pass of the 16-bit-x GEMV, one program a K slice: the slice's exponent e (`_x_exponent`) to
+    exp_ptr[slice], and x * 2^e as the fp16 pairs the GEMV's block sums take, word j's (0, 2), (4, 6), (1, 3),
+    (5, 7) (`_x_pairs`' order) at pairs_ptr[4j .. 4j + 4): the pair o is elements lo and lo + 2 of word o // 4,
+    lo = 4 (o % 2) + (o % 4) // 2. Once per call instead of in every program of the GEMV."""
+    pid_k = tl.program_id(0)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    e = _x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK)
+    tl.store(exp_ptr + pid_k, e)
+    x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    for o0 in range(k_start // 2, k_end // 2, BLOCK):
+        o = o0 + tl.arange(0, BLOCK)
+        mask = o < k_end // 2
+        lo = (o // 4) * 8 + (o % 2) * 4 + (o % 4) // 2
+        x_lo = tl.load(x_ptr + lo * stride_xk, mask=mask, other=0.0).to(tl.float32) * x_scale
+        x_hi = tl.load(x_ptr + (lo + 2) * stride_xk, mask=mask, other=0.0).to(tl.float32) * x_scale
+        tl.store(pairs_ptr + o, _f16x2(x_lo, x_hi, USE_ASM), mask=mask)
+
+
+@triton.jit
+def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_per_split,
                            stride_xk, stride_wn, stride_sn, stride_on,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           AHEAD: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+                           AHEAD: tl.constexpr, X_PAIRS: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
     """M = 1 with 16-bit x: out[n] = sum_k x[k] * w[n, k]. x is first scaled by a power of two 2^e that
-    puts its largest magnitude in this program's K slice in [2^11, 2^12) (exact), then each 16-element block
-    of a row is summed in fp16 pairs (`_E2M1X16_F16_DOT_PTX`: per word 6 integer ops, 4 hardware widenings,
-    4 fp16x2 fmas), the block's two halves times its scale added in fp32, and 2^(6 - e) and
-    `weight_scale_2` multiply the row's sum. Rows past N read row N - 1 (stored nowhere)."""
+    puts its largest magnitude in this program's K slice in [2^11, 2^12) (exact; X_PAIRS: `_x_f16_pairs_kernel`
+    did that once for every program and left e and the fp16 pairs at exp_ptr and pairs_ptr), then each
+    16-element block of a row is summed in fp16 pairs (`_E2M1X16_F16_DOT_PTX`: per word 6 integer ops, 4
+    hardware widenings, 4 fp16x2 fmas), the block's two halves times its scale added in fp32, and 2^(6 - e)
+    and `weight_scale_2` multiply the row's sum. Rows past N read row N - 1 (stored nowhere)."""
     NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -355,29 +404,35 @@ def _gemv_nvfp4_f16_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K,
     s_rows = s_ptr + n64[:, None] * stride_sn
     if AHEAD:   # the first step's words in flight during the scan of x below
         wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + offs * stride_xk, mask=offs < k_end, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(xv))
-    # amax in [2^(E - 127), 2^(E - 126)) for its biased exponent E: x * 2^(138 - E) stays below 2^12. e is
-    # at most 127 (a scale fp32 holds): a slice whose largest |x| is below 2^-116 keeps x * 2^127 smaller.
-    e = tl.minimum(138 - (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23), 127)
+    if X_PAIRS:   # x's pass (`_x_f16_pairs_kernel`) found e and wrote the scaled pairs
+        e = tl.load(exp_ptr + pid_k)
+    else:
+        e = _x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK_K)
     x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
-    if AHEAD:
-        a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, k_start, K, stride_xk, x_scale, BLOCK_K, EVEN_K, USE_ASM)
+    if AHEAD and not X_PAIRS:
+        a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, pairs_ptr, k_start, K, stride_xk, x_scale, BLOCK_K,
+                                                      EVEN_K, X_PAIRS, USE_ASM)
     for k0 in range(0, k_per_split, BLOCK_K):
         if AHEAD:   # the next step's operands in flight while this one computes (the last step reloads itself)
             kk = k_start + tl.minimum(k0 + BLOCK_K, k_per_split - BLOCK_K)
-            nxt = _gemv_operands(w_rows, s_rows, x_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K, USE_ASM)
+            if X_PAIRS:   # the words and scales: x's pairs are L1 hits, loaded where they are used
+                nxt_w, nxt_s = _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K, EVEN_K)
+                a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, pairs_ptr, k_start + k0, K, stride_xk, x_scale,
+                                                              BLOCK_K, EVEN_K, X_PAIRS, USE_ASM)
+            else:
+                nxt = _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K,
+                                     X_PAIRS, USE_ASM)
         else:
-            wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_operands(w_rows, s_rows, x_ptr, k_start + k0, K, stride_xk,
-                                                                   x_scale, BLOCK_K, EVEN_K, USE_ASM)
+            wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, k_start + k0, K,
+                                                                   stride_xk, x_scale, BLOCK_K, EVEN_K, X_PAIRS,
+                                                                   USE_ASM)
         wa, wb = tl.split(tl.reshape(wv, [BLOCK_N, NB, 2]))          # each block's first and second word
         lo, hi = _block_sum_f16(wa, wb, a0, a1, a2, a3, b0, b1, b2, b3, USE_ASM)
         acc += (lo + hi) * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if AHEAD:
+        if AHEAD and X_PAIRS:
+            wv, sb = nxt_w, nxt_s
+        elif AHEAD:
             wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = nxt
     # undo 2^-6 (the decode) and 2^e (x) in two exact steps: 2^(6 - e) can leave fp32's normal range
     acc = tl.sum(acc, axis=1) * ((127 + 6 - (e >> 1)) << 23).to(tl.float32, bitcast=True)
@@ -541,6 +596,17 @@ def uses_f16_gemv(x: torch.Tensor, plan: GemvPlan) -> bool:
     return plan.block_m == 1 and x.dtype in (torch.bfloat16, torch.float16) and plan.block_n >= F16_GEMV_MIN_ROWS
 
 
+# The 16-bit-x GEMV of weights of this many elements or more scales and pairs x in a pass of its own
+# (`_x_f16_pairs_kernel`) instead of in every program: one more launch, but no scan of x in each program and
+# no conversion of x in its K loop.
+X_PASS_MIN_ELEMENTS = 1 << 26
+
+
+def uses_x_pass(n: int, k: int) -> bool:
+    """Whether the 16-bit-x GEMV of an [n, k] weight runs x's pass first (`X_PASS_MIN_ELEMENTS`)."""
+    return n * k >= X_PASS_MIN_ELEMENTS
+
+
 def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         weight_scale_2: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,
                         plan: GemvPlan | None = None) -> torch.Tensor:
@@ -572,11 +638,17 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     scale_2 = weight_scale_2.reshape(1)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
     if uses_f16_gemv(x, plan):
+        x_pass = uses_x_pass(n, k)
+        pairs = torch.empty(k // 2 if x_pass else 1, dtype=torch.int32, device=x.device)
+        exps = torch.empty(plan.splits, dtype=torch.int32, device=x.device)
+        if x_pass:
+            _x_f16_pairs_kernel[(plan.splits,)](x, pairs, exps, k, plan.k_per_split, x.stride(1), BLOCK=512,
+                                                USE_ASM=x.is_cuda, num_warps=4)
         _gemv_nvfp4_f16_kernel[grid](
-            x, words, scale_bits, scale_2, out, part if part is not None else out, n, k, plan.k_per_split,
-            x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
+            x, pairs, exps, words, scale_bits, scale_2, out, part if part is not None else out, n, k,
+            plan.k_per_split, x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
             BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
-            AHEAD=plan.num_stages > 1, SPLIT=part is not None, USE_ASM=x.is_cuda,
+            AHEAD=plan.num_stages > 1, X_PAIRS=x_pass, SPLIT=part is not None, USE_ASM=x.is_cuda,
             num_warps=plan.num_warps, num_stages=1)
     elif plan.block_m == 1:
         _gemv_nvfp4_kernel[grid](

@@ -7,10 +7,11 @@ A kernel that is bound by its decode arithmetic (the fp32 NVFP4 GEMV was) runs a
 at best, the clock 1.98 GHz at most and 1.77 GHz as Nsight Compute saw it under that load; `BENCHMARKS.md`
 quotes these counts. Pointer and size arguments are marked divisible by 16 and the unit strides of x and
 out specialized to 1, as Triton's launcher does at the real shapes. `nvfp4-gemv` is the kernel M = 1 with
-bf16 x runs on the LM heads (`_gemv_nvfp4_f16_kernel`), with its one-step look-ahead when --stages > 1.
+bf16 x runs on the LM heads (`_gemv_nvfp4_f16_kernel`), with its one-step look-ahead when --stages > 1 and
+x's pairs from x's own pass with --x-pass.
 
     python3 scripts/sass_stats.py nvfp4-gemm --tile 32,64,256 --swap --stages 2
-    python3 scripts/sass_stats.py nvfp4-gemv --tile 1,64,256 --stages 2
+    python3 scripts/sass_stats.py nvfp4-gemv --tile 1,64,256 --stages 2 --x-pass
     python3 scripts/sass_stats.py {bf16,fp8}-{gemv,gemm} ...  [--warps 4] [--stages 3] [--sass out.sass]
 """
 
@@ -33,7 +34,7 @@ from triton.compiler.compiler import ASTSource
 linear = importlib.import_module("mtpfactory.kernels.linear")
 linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
 
-_PTRS = ("x_ptr", "w_ptr", "scale_ptr", "s_ptr", "s2_ptr", "out_ptr", "part_ptr")
+_PTRS = ("x_ptr", "pairs_ptr", "exp_ptr", "w_ptr", "scale_ptr", "s_ptr", "s2_ptr", "out_ptr", "part_ptr")
 _DIVISIBLE = _PTRS + ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_om")
 _UNIT = ("stride_xk", "stride_on")          # Triton's launcher specializes an integer argument equal to 1
 
@@ -43,20 +44,21 @@ def _signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
     return {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
 
 
-def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int):
+def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass: bool = False):
     """(jit function, argument types, constexprs) of a preset (the NVFP4 dot kernel loads `stages` - 1 K steps
     ahead itself and compiles with Triton's pipelining off, as its launcher does)."""
     fmt, kind = name.split("-")
     dot = kind == "gemm"
     if fmt == "nvfp4":
-        types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "s2_ptr": "*fp32", "out_ptr": "*bf16",
-                 "part_ptr": "*fp32"}
+        types = {"x_ptr": "*bf16", "pairs_ptr": "*i32", "exp_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8",
+                 "s2_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32"}
         if dot:
             return (linear_nvfp4._gemm_nvfp4_kernel, types,
                     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, AHEAD=max(1, min(stages - 1, 2)), EVEN_K=True,
                          LOWP_DOT=True, SWAP_AB=swap, SPLIT=False, USE_ASM=True))
         return (linear_nvfp4._gemv_nvfp4_f16_kernel, types,             # what M = 1 with bf16 x runs
-                dict(BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, AHEAD=stages > 1, SPLIT=False, USE_ASM=True))
+                dict(BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, AHEAD=stages > 1, X_PAIRS=x_pass, SPLIT=False,
+                     USE_ASM=True))
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16" if fmt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
              "out_ptr": "*bf16", "part_ptr": "*fp32"}
     return (linear._linear_kernel, types,
@@ -113,13 +115,15 @@ def main() -> int:
     ap.add_argument("--swap", action="store_true", help="the weight tile as the dot's first operand")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--x-pass", action="store_true",
+                    help="nvfp4-gemv: x paired by its own pass (`uses_x_pass`: the LM heads), not in the K loop")
     ap.add_argument("--sass", default=None, help="also write the whole disassembly here")
     args = ap.parse_args()
     dot = args.kernel.endswith("gemm")
     bm, bn, bk = (int(v) for v in (args.tile or ("32,128,64" if dot else "1,32,256")).split(","))
     if dot != (bm >= 16):
         ap.error(f"--tile {bm},{bn},{bk}: a gemm tile has BLOCK_M 16 or 32, a gemv tile BLOCK_M 1")
-    fn, types, constexprs = kernel(args.kernel, bm, bn, bk, args.swap, args.stages)
+    fn, types, constexprs = kernel(args.kernel, bm, bn, bk, args.swap, args.stages, args.x_pass)
     stages = 1 if "AHEAD" in constexprs else args.stages
     sass = compile_sass(fn, types, constexprs, args.warps, stages)
     if args.sass:

@@ -11,6 +11,7 @@ A time budget keeps it inside one device call; every result is appended to the J
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import sys
@@ -22,6 +23,7 @@ from mtpfactory.kernels.linear import linear_triton, make_plan, plan_for
 from mtpfactory.kernels.linear_fp8 import _linear_fp8_native, linear_fp8_triton
 from mtpfactory.kernels.linear_nvfp4 import TILES_NVFP4, _linear_nvfp4_native, linear_nvfp4_triton
 
+linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Op
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import SHAPES, copy_bandwidth, formats, weight_bytes  # noqa: E402
 
@@ -37,8 +39,9 @@ DOT_TILES = [(16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (1
 # NVFP4 decodes into registers and loads num_stages - 1 K steps ahead itself
 NVFP4_TILES = [(16, 256), (32, 256), (64, 128), (64, 256), (128, 64), (128, 128), (256, 64)]
 # the NVFP4 GEMV (M = 1, fp16 block sums): rows per program x K per step (2026-12-03: 128 x 128 and 256 x 128
-# 10-40% slower); 2, 4 or 8 warps; stages 1 or 2 (no look-ahead or one)
-NVFP4_GEMV_TILES = [(32, 256), (32, 512), (64, 256), (64, 512), (128, 256)]
+# 10-40% slower; 32 x 512, 64 x 512 and 8 warps slower than these), 2 or 4 warps, one step ahead; each with
+# x paired in the GEMV's programs and by x's own pass (`uses_x_pass`)
+NVFP4_GEMV_TILES = [(32, 256), (64, 256), (128, 256)]
 
 
 def time_us(calls: list, rep_ms: int = 40) -> float:
@@ -79,9 +82,11 @@ def main() -> int:
                        _linear_fp8_native(x.float(), *w0) if key == "fp8" else _linear_nvfp4_native(x.float(), *w0))
                 results = []
 
-                def run(plan):
+                def run(plan, x_pass=None):
                     if time.monotonic() > t_end:
                         return None
+                    if x_pass is not None:           # the NVFP4 GEMV: force x's pass on or off
+                        linear_nvfp4.X_PASS_MIN_ELEMENTS = 0 if x_pass else 1 << 62
                     try:
                         y = call(x, w0, plan)
                         err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
@@ -90,19 +95,24 @@ def main() -> int:
                         print(f"  {shape} M={m} {fname} {plan} failed: {type(e).__name__} {str(e)[:80]}")
                         return None
                     rec = dict(shape=shape, n=n, k=k, m=m, format=fname, us=us, floor_us=floor_us,
-                               pct=100 * floor_us / us, err=err, plan=plan.__dict__)
+                               pct=100 * floor_us / us, err=err, plan=plan.__dict__, x_pass=x_pass)
                     if err > 2e-2:
                         print(f"  {shape} M={m} {fname} {plan}: WRONG, max error {err:.3g} of max |y|")
                     out.write(json.dumps(rec) + "\n")
                     out.flush()
-                    results.append((us, plan))
+                    results.append((us, plan, x_pass))
                     return us
 
-                if fname == "nvfp4" and m == 1:        # the GEMV
-                    grid = [make_plan(m, n, k, bn, bk, block_m=1, num_warps=nw, num_stages=st)
-                            for (bn, bk), nw, st in itertools.product(NVFP4_GEMV_TILES, (2, 4, 8), (1, 2)) if bk <= k]
+                if fname == "nvfp4" and m == 1:        # the GEMV, x's pass off and on
+                    shipped_x_pass = linear_nvfp4.X_PASS_MIN_ELEMENTS
+                    plans = [make_plan(m, n, k, bn, bk, block_m=1, num_warps=nw, num_stages=2)
+                             for (bn, bk), nw in itertools.product(NVFP4_GEMV_TILES, (2, 4)) if bk <= k]
                     shipped = plan_for(m, n, k, True, TILES_NVFP4)        # the shipped plan, in the same run
-                    grid += [shipped] if shipped not in grid else []
+                    plans += [shipped] if shipped not in plans else []
+                    for p, xp in itertools.product(plans, (False, True)):
+                        run(p, xp)
+                    linear_nvfp4.X_PASS_MIN_ELEMENTS = shipped_x_pass
+                    grid = []
                 elif fname == "nvfp4":                 # tensor cores
                     grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=st, swap_ab=bn >= 64)
                             for (bn, bk), nw, st in itertools.product(NVFP4_TILES, (4, 8), (2, 3)) if bk <= k]
@@ -118,7 +128,7 @@ def main() -> int:
                 for p in grid:
                     run(p)
                 results.sort(key=lambda r: r[0])
-                for _, p in results[:2]:  # refine the two best: stages, swapped operands, K slices
+                for _, p, _ in results[:2] if grid else []:  # refine the two best: stages, swapped operands, K slices
                     d = dict(p.__dict__)
                     for st in ((1, 4) if d["block_m"] > 1 and fname != "nvfp4" else ()):   # NVFP4: in the grid
                         run(make_plan(m, n, k, d["block_n"], d["block_k"], block_m=d["block_m"],
@@ -132,9 +142,9 @@ def main() -> int:
                                           num_warps=d["num_warps"], num_stages=d["num_stages"],
                                           swap_ab=d["swap_ab"]))
                 results.sort(key=lambda r: r[0])
-                for us, p in results[:3]:
+                for us, p, xp in results[:3]:
                     print(f"{shape:12s} {n}x{k} M={m:<2d} {fname:10s} {us:9.2f} us  floor {floor_us:8.2f} us "
-                          f"{100 * floor_us / us:5.1f}%  {p}", flush=True)
+                          f"{100 * floor_us / us:5.1f}%  {p}{'' if xp is None else f' x_pass={xp}'}", flush=True)
                 if time.monotonic() > t_end:
                     print("# time budget spent")
                     return 0

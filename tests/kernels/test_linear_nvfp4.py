@@ -16,6 +16,8 @@ element still misses by O(sum |x||w|).
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -33,6 +35,8 @@ from mtpfactory.kernels.linear_nvfp4 import (
 from mtpfactory.ops import Provider
 from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
 from gemv_common import DTYPES, SUM_RTOL, assert_matches, explicit_plans
+
+linear_nvfp4_module = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Op
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
@@ -124,9 +128,51 @@ def test_nibble_order_exact(first, last, dtype):
     assert torch.equal(out, w.T[first:last].to(dtype))
 
 
+@pytest.fixture(params=[False, True], ids=["x_in_gemv", "x_pass"])
+def x_pass(request, monkeypatch):
+    """The 16-bit-x GEMV with x scaled and paired in each program, or by its own pass first (every weight
+    counts as large)."""
+    if request.param:
+        monkeypatch.setattr(linear_nvfp4_module, "X_PASS_MIN_ELEMENTS", 0)
+    return request.param
+
+
+def x_pass_reference(x: torch.Tensor, k_per_split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `_x_f16_pairs_kernel` writes for x [K]: each slice's exponent e (its largest |x| times 2^e in
+    [2^11, 2^12), e at most 127) and x * 2^e in fp16, word j's pairs (0, 2), (4, 6), (1, 3), (5, 7) as int32
+    (the first element in the low half)."""
+    xf = x.float()
+    exps = []
+    scaled = torch.empty_like(xf)
+    for s in range(0, x.numel(), k_per_split):
+        amax = xf[s:s + k_per_split].abs().max()
+        e = 127 if amax == 0 else min(11 - int(torch.floor(torch.log2(amax))), 127)
+        exps.append(e)
+        scaled[s:s + k_per_split] = xf[s:s + k_per_split] * 2.0**e
+    words = scaled.to(torch.float16).view(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].contiguous()   # (lo, hi) pairs
+    return torch.tensor(exps, dtype=torch.int32), words.view(torch.int32).view(-1)
+
+
+@pytest.mark.parametrize("x_scale", [1.0, 2.0**-100, 2.0**100], ids=lambda v: f"{v:g}")
+def test_x_pass_scales_and_pairs_x(x_scale):
+    """The x pass, launched alone on x [48] in slices of 32 (a partial last one), into buffers poisoned with
+    -1: each slice's exponent and its pairs bit for bit (the scaling is exact, the fp16 rounding of a bf16
+    value times a power of two in fp16's normal range too). x stays clear of bf16's subnormals, which the
+    interpreter does not load exactly (the GEMV tests above take x down to 2^-120 against the reference)."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(48, generator=gen) * x_scale).to(torch.bfloat16)
+    x[40] = 0.0
+    pairs = torch.full((24,), -1, dtype=torch.int32)
+    exps = torch.full((2,), -1, dtype=torch.int32)
+    linear_nvfp4_module._x_f16_pairs_kernel[(2,)](x, pairs, exps, 48, 32, 1, BLOCK=16, USE_ASM=False)
+    want_exps, want_pairs = x_pass_reference(x, 32)
+    assert torch.equal(exps, want_exps)
+    assert torch.equal(pairs, want_pairs)
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_gemv_f16_sums_with_and_without_look_ahead(stages, splits, dtype=torch.bfloat16):
+def test_gemv_f16_sums_with_and_without_look_ahead(stages, splits, x_pass, dtype=torch.bfloat16):
     """The 16-bit-x GEMV loads the next K step's words ahead of its sums (num_stages > 1) or not: 7 steps of
     32 with a partial last one, in one slice or three (the look-ahead of a slice's last step reloads it)."""
     x, *w = make_inputs(1, 33, 208, dtype, seed=stages)
@@ -138,7 +184,7 @@ def test_gemv_f16_sums_with_and_without_look_ahead(stages, splits, dtype=torch.b
 
 
 @pytest.mark.parametrize("x_scale", [0.0, 2.0**-120, 2.0**-60, 2.0**60, 2.0**100], ids=lambda v: f"{v:g}")
-def test_gemv_f16_sums_scale_x_by_a_power_of_two(x_scale):
+def test_gemv_f16_sums_scale_x_by_a_power_of_two(x_scale, x_pass):
     """The fp16 block sums stay in range and keep their precision whatever the size of x: the kernel scales
     x by a power of two per K slice (x near the bottom of bf16's range, near the top, and all zero; the
     slices of the look-ahead test above each take their own)."""
@@ -222,6 +268,23 @@ def test_weight_rows_must_start_on_words():
 def test_gpu_matches_reference(dtype, m, n, k, split_k):
     x, *w = make_inputs(m, n, k, dtype, seed=m, device="cuda")
     check(x, *w, split_k=split_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k,splits", [(4096, 2048, 1), (4096, 2048, 3), (1000, 4112, 2)])
+@pytest.mark.parametrize("x_scale", [1.0, 2.0**-100, 2.0**100], ids=lambda v: f"{v:g}")
+def test_gpu_x_pass(n, k, splits, x_scale, x_pass):
+    """The 16-bit-x GEMV with x paired in its programs and by x's own pass, compiled: whole and partial K
+    steps, in one slice or several, x of any size."""
+    x, *w = make_inputs(1, n, k, torch.bfloat16, seed=splits, device="cuda")
+    x = (x.float() * x_scale).to(torch.bfloat16)
+    check(x, *w, plan=make_plan(1, n, k, block_n=64, block_k=256, splits=splits, block_m=1, num_stages=2))
+    exps_pairs = x_pass_reference(x[0].cpu(), k)                  # what the pass writes, one slice
+    pairs = torch.full((k // 2,), -1, dtype=torch.int32, device="cuda")
+    exps = torch.full((1,), -1, dtype=torch.int32, device="cuda")
+    linear_nvfp4_module._x_f16_pairs_kernel[(1,)](x, pairs, exps, k, k, 1, BLOCK=512, USE_ASM=True)
+    assert torch.equal(exps.cpu(), exps_pairs[0]) and torch.equal(pairs.cpu(), exps_pairs[1])
 
 
 @pytest.mark.gpu
