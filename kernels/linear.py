@@ -134,13 +134,14 @@ def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16B
 # --- kernels -------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
+def _linear_kernel(x_ptr, exp_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
                    stride_xm, stride_xk, stride_wn, stride_om, stride_on,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    USE_DOT: tl.constexpr, LOWP_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
-                   SPLIT: tl.constexpr, ROW_SCALE: tl.constexpr):
+                   SPLIT: tl.constexpr, ROW_SCALE: tl.constexpr, X_EXP: tl.constexpr):
     """out = x @ W^T for a BF16/FP16/FP32 weight, or (ROW_SCALE) an FP8 weight times its per-row scale,
-    applied here or, split-K, by the reduce pass. E4M3 values are exact in fp32 and in bf16 dots."""
+    applied here or, split-K, by the reduce pass. E4M3 values are exact in fp32 and in 16-bit dots. X_EXP
+    (the dot path): x is `_x_f16_rows_kernel`'s fp16 rows, row m times 2^exp[m], undone on the fp32 sums."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
@@ -159,8 +160,9 @@ def _linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, k_per_sp
     for k0 in range(0, k_per_split, BLOCK_K):
         offs_k = k_start + k0 + tl.arange(0, BLOCK_K)                # [BK]
         mask_k = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)                        # [BN, BK]
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)   # [BN, BK]
+        if not X_EXP:   # (with X_EXP the dot widens the E4M3 tile straight to fp16: one conversion a pair)
+            w = w.to(tl.float32)
         if BLOCK_M == 1:                                             # x as a vector: no layout shuffle
             x1 = tl.load(x_ptr + offs_k * stride_xk, mask=mask_k & (M > 0), other=0.0).to(tl.float32)
             acc2 += x1[None, :] * w                                  # [BN, BK]
@@ -173,6 +175,10 @@ def _linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, k_per_sp
                 acc3 += x[:, None, :] * w[None, :, :]                # [BM, BN, BK]
     if USE_DOT:
         acc = dot_result(acc, SWAP_AB)                               # [BM, BN]
+        if X_EXP:   # 2^-exp[m] in two exact steps (one power of two can leave fp32's normal range)
+            e = tl.load(exp_ptr + offs_m, mask=mask_m, other=0)
+            acc = acc * ((127 - (e >> 1)) << 23).to(tl.float32, bitcast=True)[:, None]
+            acc = acc * ((127 - e + (e >> 1)) << 23).to(tl.float32, bitcast=True)[:, None]
     elif BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]                          # [1, BN]
     else:
@@ -180,6 +186,35 @@ def _linear_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, k_per_sp
     if ROW_SCALE and not SPLIT:
         acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     store_tile(acc, out_ptr, part_ptr, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om, stride_on, SPLIT)
+
+
+@triton.jit
+def x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK: tl.constexpr):
+    """The power of two e (int32) that puts the largest |x| of x[k_start:k_end] in [2^11, 2^12): amax lies in
+    [2^(E - 127), 2^(E - 126)) for its biased exponent E, so x * 2^(138 - E) stays below 2^12. e is at most
+    127 (a scale fp32 holds): a slice whose largest |x| is below 2^-116 keeps x * 2^127 smaller."""
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        xv = tl.load(x_ptr + offs * stride_xk, mask=offs < k_end, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(xv))
+    return tl.minimum(138 - (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23), 127)
+
+
+@triton.jit
+def _x_f16_rows_kernel(x_ptr, x16_ptr, exp_ptr, K, stride_xm, stride_xk, BLOCK: tl.constexpr):
+    """x's pass for the FP8 dot, one program a row m of x [M, K]: its exponent e (`x_exponent`) to exp[m]
+    and x[m] * 2^e in fp16 to x16[m] ([M, K], contiguous). Exact for every x whose magnitude is at least
+    2^-25 of its row's largest (fp16's normal range below the top); the dot's fp32 sums undo 2^e."""
+    m = tl.program_id(0)
+    row = x_ptr + m * stride_xm
+    e = x_exponent(row, 0, K, stride_xk, BLOCK)
+    tl.store(exp_ptr + m, e)
+    x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        v = tl.load(row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32) * x_scale
+        tl.store(x16_ptr + m * K + offs, v.to(tl.float16), mask=offs < K)
 
 
 @triton.jit
@@ -286,6 +321,13 @@ def splitk_reduce(part: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | N
         SCALE=scale_mode, BLOCK=block, num_warps=4)
 
 
+# FP8 weights of this many elements or more run the dot path with bf16 x in fp16 (x scaled by a power of
+# two per row in a pass of its own, `_x_f16_rows_kernel`): the hardware widens E4M3 pairs straight to fp16,
+# where a bf16 dot needs each element through fp16 and fp32 to bf16 (sm_90: 5.1 instructions an element in
+# the K loop at 32 x 128 x 128, against 2.x). One more launch, so only where the weight is large.
+F16_DOT_MIN_ELEMENTS = 1 << 26
+
+
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,
                   plan: GemvPlan | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype. `split_k` cuts K across programs (tall-skinny
@@ -303,12 +345,17 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     plan = plan or plan_for(m, n, k, split_k, TILES_FP8 if scaled else TILES_16BIT)
     part = partial_buffer(plan, m, n, x)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
+    x_op, exps = x, out
+    if scaled and plan.use_dot and x.dtype == torch.bfloat16 and n * k >= F16_DOT_MIN_ELEMENTS:
+        x_op = torch.empty((m, k), dtype=torch.float16, device=x.device)
+        exps = torch.empty(m, dtype=torch.int32, device=x.device)
+        _x_f16_rows_kernel[(m,)](x, x_op, exps, k, x.stride(0), x.stride(1), BLOCK=1024, num_warps=4)
     _linear_kernel[grid](
-        x, weight, weight_scale if scaled else out, out, part if part is not None else out, m, n, k,
-        plan.k_per_split, x.stride(0), x.stride(1), weight.stride(0), out.stride(0), out.stride(1),
+        x_op, exps, weight, weight_scale if scaled else out, out, part if part is not None else out, m, n, k,
+        plan.k_per_split, x_op.stride(0), x_op.stride(1), weight.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, USE_DOT=plan.use_dot,
         LOWP_DOT=lowp_dot(x), SWAP_AB=plan.swap_ab, SPLIT=part is not None, ROW_SCALE=scaled,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        X_EXP=x_op is not x, num_warps=plan.num_warps, num_stages=plan.num_stages)
     if part is not None:
         splitk_reduce(part, out, weight_scale, scale_mode=1 if scaled else 0)
     return out

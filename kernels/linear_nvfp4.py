@@ -46,6 +46,7 @@ from mtpfactory.kernels.linear import (
     splitk_reduce,
     store_tile,
     supports_small_m,
+    x_exponent,
 )
 from mtpfactory.ops import Op, triton_can_run
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
@@ -347,29 +348,16 @@ def _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, 
 
 
 @triton.jit
-def _x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK: tl.constexpr):
-    """The power of two e (int32) that puts the largest |x| of x[k_start:k_end] in [2^11, 2^12): amax lies in
-    [2^(E - 127), 2^(E - 126)) for its biased exponent E, so x * 2^(138 - E) stays below 2^12. e is at most
-    127 (a scale fp32 holds): a slice whose largest |x| is below 2^-116 keeps x * 2^127 smaller."""
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        xv = tl.load(x_ptr + offs * stride_xk, mask=offs < k_end, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(xv))
-    return tl.minimum(138 - (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23), 127)
-
-
-@triton.jit
 def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xk, BLOCK: tl.constexpr,
                         USE_ASM: tl.constexpr):
-    """The x pass of the 16-bit-x GEMV, one program a K slice: the slice's exponent e (`_x_exponent`) to
+    """The x pass of the 16-bit-x GEMV, one program a K slice: the slice's exponent e (`x_exponent`) to
     exp_ptr[slice], and x * 2^e as the fp16 pairs the GEMV's block sums take, word j's (0, 2), (4, 6), (1, 3),
     (5, 7) (`_x_pairs`' order) at pairs_ptr[4j .. 4j + 4): the pair o is elements lo and lo + 2 of word o // 4,
     lo = 4 (o % 2) + (o % 4) // 2. Once per call instead of in every program of the GEMV."""
     pid_k = tl.program_id(0)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    e = _x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK)
+    e = x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK)
     tl.store(exp_ptr + pid_k, e)
     x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     for o0 in range(k_start // 2, k_end // 2, BLOCK):
@@ -407,7 +395,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
     if X_PAIRS:   # x's pass (`_x_f16_pairs_kernel`) found e and wrote the scaled pairs
         e = tl.load(exp_ptr + pid_k)
     else:
-        e = _x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK_K)
+        e = x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK_K)
     x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     if AHEAD and not X_PAIRS:

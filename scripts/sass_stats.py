@@ -59,11 +59,12 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
         return (linear_nvfp4._gemv_nvfp4_f16_kernel, types,             # what M = 1 with bf16 x runs
                 dict(BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, AHEAD=stages > 1, X_PAIRS=x_pass, SPLIT=False,
                      USE_ASM=True))
-    types = {"x_ptr": "*bf16", "w_ptr": "*bf16" if fmt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
-             "out_ptr": "*bf16", "part_ptr": "*fp32"}
+    types = {"x_ptr": "*fp16" if x_pass else "*bf16", "exp_ptr": "*i32",
+             "w_ptr": "*bf16" if fmt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16",
+             "part_ptr": "*fp32"}
     return (linear._linear_kernel, types,
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, LOWP_DOT=True, SWAP_AB=swap, SPLIT=False,
-                 ROW_SCALE=fmt == "fp8"))
+                 ROW_SCALE=fmt == "fp8", X_EXP=x_pass))
 
 
 def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> str:
@@ -116,7 +117,8 @@ def main() -> int:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--x-pass", action="store_true",
-                    help="nvfp4-gemv: x paired by its own pass (`uses_x_pass`: the LM heads), not in the K loop")
+                    help="nvfp4-gemv: x paired by its own pass (`uses_x_pass`: the LM heads), not in the K loop; "
+                         "fp8-gemm: x in fp16 from its own pass (`F16_DOT_MIN_ELEMENTS`), the dot in fp16")
     ap.add_argument("--sass", default=None, help="also write the whole disassembly here")
     args = ap.parse_args()
     dot = args.kernel.endswith("gemm")

@@ -19,11 +19,12 @@ import time
 
 import torch
 
-from mtpfactory.kernels.linear import linear_triton, make_plan, plan_for
+from mtpfactory.kernels.linear import TILES_FP8, linear_triton, make_plan, plan_for
 from mtpfactory.kernels.linear_fp8 import _linear_fp8_native, linear_fp8_triton
 from mtpfactory.kernels.linear_nvfp4 import TILES_NVFP4, _linear_nvfp4_native, linear_nvfp4_triton
 
-linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Op
+linear = importlib.import_module("mtpfactory.kernels.linear")               # the package exports the Ops
+linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import SHAPES, copy_bandwidth, formats, weight_bytes  # noqa: E402
 
@@ -42,6 +43,8 @@ NVFP4_TILES = [(16, 256), (32, 256), (64, 128), (64, 256), (128, 64), (128, 128)
 # 10-40% slower; 32 x 512, 64 x 512 and 8 warps slower than these), 2 or 4 warps, one step ahead; each with
 # x paired in the GEMV's programs and by x's own pass (`uses_x_pass`)
 NVFP4_GEMV_TILES = [(32, 256), (64, 256), (128, 256)]
+# FP8 on the dot path, each in bf16 and in fp16 (x's pass, `F16_DOT_MIN_ELEMENTS`)
+FP8_DOT_TILES = [(64, 128), (64, 256), (128, 64), (128, 128)]
 
 
 def time_us(calls: list, rep_ms: int = 40) -> float:
@@ -85,8 +88,8 @@ def main() -> int:
                 def run(plan, x_pass=None):
                     if time.monotonic() > t_end:
                         return None
-                    if x_pass is not None:           # the NVFP4 GEMV: force x's pass on or off
-                        linear_nvfp4.X_PASS_MIN_ELEMENTS = 0 if x_pass else 1 << 62
+                    if x_pass is not None:   # force x's pass on or off (NVFP4 GEMV, FP8 dot in fp16)
+                        setattr(*x_pass_switch, 0 if x_pass else 1 << 62)
                     try:
                         y = call(x, w0, plan)
                         err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
@@ -103,15 +106,24 @@ def main() -> int:
                     results.append((us, plan, x_pass))
                     return us
 
+                x_pass_switch = ((linear_nvfp4, "X_PASS_MIN_ELEMENTS") if fname == "nvfp4" else
+                                 (linear, "F16_DOT_MIN_ELEMENTS"))
+                shipped_x_pass = getattr(*x_pass_switch)
                 if fname == "nvfp4" and m == 1:        # the GEMV, x's pass off and on
-                    shipped_x_pass = linear_nvfp4.X_PASS_MIN_ELEMENTS
                     plans = [make_plan(m, n, k, bn, bk, block_m=1, num_warps=nw, num_stages=2)
                              for (bn, bk), nw in itertools.product(NVFP4_GEMV_TILES, (2, 4)) if bk <= k]
                     shipped = plan_for(m, n, k, True, TILES_NVFP4)        # the shipped plan, in the same run
                     plans += [shipped] if shipped not in plans else []
                     for p, xp in itertools.product(plans, (False, True)):
                         run(p, xp)
-                    linear_nvfp4.X_PASS_MIN_ELEMENTS = shipped_x_pass
+                    grid = []
+                elif fname == "fp8" and m > 1:         # the dot in bf16 and in fp16 (x's pass)
+                    plans = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=3, swap_ab=sw)
+                             for (bn, bk), nw, sw in itertools.product(FP8_DOT_TILES, (4, 8), (False, True))]
+                    shipped = plan_for(m, n, k, True, TILES_FP8)
+                    plans += [shipped] if shipped not in plans else []
+                    for p, xp in itertools.product(plans, (False, True)):
+                        run(p, xp)
                     grid = []
                 elif fname == "nvfp4":                 # tensor cores
                     grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=st, swap_ab=bn >= 64)
@@ -127,6 +139,7 @@ def main() -> int:
                             for (bn, bk), nw, sw in itertools.product(DOT_TILES, (4, 8), swaps)]
                 for p in grid:
                     run(p)
+                setattr(*x_pass_switch, shipped_x_pass)
                 results.sort(key=lambda r: r[0])
                 for _, p, _ in results[:2] if grid else []:  # refine the two best: stages, swapped operands, K slices
                     d = dict(p.__dict__)

@@ -4,10 +4,14 @@ Tolerance: every E4M3 value is exact in fp32 (and bf16), so kernel and reference
 products x * w8 in fp32 in different orders and multiply by the same row scale: they differ by a few fp32
 roundings, bounded by 1e-5 * sum_k |x| |w8| scale, and then by one rounding of the output dtype, which can
 put the two on adjacent values: 2^-7 (~1e-2) of |y| for bf16, 2^-10 for fp16, ~1e-5 for fp32. A wrong
-element (a K tile dropped, a wrong scale or row) is off by O(sum |x||w|).
+element (a K tile dropped, a wrong scale or row) is off by O(sum |x||w|). The fp16 dot of large weights
+(`F16_DOT_MIN_ELEMENTS`) takes x times a power of two per row in fp16: exact for the x here (every element
+within 2^-25 of its row's largest), so the same bound holds.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -18,6 +22,14 @@ from mtpfactory.kernels.linear_fp8 import _linear_fp8_native, _linear_fp8_suppor
 from mtpfactory.ops import Provider
 from mtpfactory.quant import quantize_fp8
 from gemv_common import DTYPES, assert_matches, explicit_plans
+
+linear_module = importlib.import_module("mtpfactory.kernels.linear")   # the package exports the Op `linear`
+
+
+@pytest.fixture
+def f16_dot(monkeypatch):
+    """Every FP8 weight counts as large: bf16 x takes the fp16 dot (x's pass first) on the dot path."""
+    monkeypatch.setattr(linear_module, "F16_DOT_MIN_ELEMENTS", 0)
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
@@ -71,6 +83,39 @@ def test_every_e4m3_value_decodes_exactly(first, last, device="cpu"):
     assert torch.equal(out, (weight.float() * scale[:, None]).T[first:last])
 
 
+def x_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `_x_f16_rows_kernel` writes for x [M, K]: each row's exponent e (its largest |x| times 2^e in
+    [2^11, 2^12), e at most 127) and x * 2^e in fp16."""
+    amax = x.float().abs().amax(dim=1)
+    e = torch.where(amax == 0, 127, 11 - torch.floor(torch.log2(amax.clamp_min(2.0**-149))).int()).clamp(max=127)
+    return e.int(), (x.float() * torch.exp2(e.float())[:, None]).to(torch.float16)
+
+
+def test_x_rows_pass_scales_x():
+    """x's pass for the fp16 dot alone, on x [3, 40] whose rows differ in size by 2^-100 .. 2^100 (and one all
+    zero), into buffers poisoned with -1: each row's exponent and its fp16 values bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(4, 40, generator=gen) * torch.tensor([[2.0**-100], [1.0], [2.0**100], [0.0]])).to(torch.bfloat16)
+    x16 = torch.full((4, 40), -1.0, dtype=torch.float16)
+    exps = torch.full((4,), -1, dtype=torch.int32)
+    linear_module._x_f16_rows_kernel[(4,)](x, x16, exps, 40, x.stride(0), x.stride(1), BLOCK=16)
+    want_exps, want_x16 = x_rows_reference(x)
+    assert torch.equal(exps, want_exps)
+    assert torch.equal(x16.view(torch.int16), want_x16.view(torch.int16))
+
+
+@pytest.mark.parametrize("m", [3, 17, 32])
+@pytest.mark.parametrize("n,k", [(7, 48), (130, 80)])
+def test_f16_dot_matches_reference(m, n, k, f16_dot):
+    """bf16 x on the dot path in fp16, rows of x 2^-100 to 2^100 in size, every dot tile (split and not)."""
+    x, weight, scale = make_inputs(m, n, k, torch.bfloat16, seed=m + n)
+    sizes = torch.exp2(torch.linspace(-100, 100, m).round())[:, None]
+    x = (x.float() * sizes).to(torch.bfloat16)
+    with ops.use_backend("triton"):
+        for plan in explicit_plans(m, n, k, fma_m=False)[:3]:
+            check(x, weight, scale, plan=plan)
+
+
 def test_op_dispatch_and_fallback(monkeypatch):
     calls = []
     p = linear_fp8.providers["triton"]
@@ -121,6 +166,29 @@ def test_gpu_every_path(m):
 @pytest.mark.parametrize("first,last", [(0, 8), (8, 16), (0, 16)])
 def test_gpu_every_e4m3_value_decodes_exactly(first, last):
     test_every_e4m3_value_decodes_exactly(first, last, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [8, 32])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_gpu_f16_dot(m, split_k, f16_dot):
+    """The fp16 dot compiled: bf16 x of rows 2^-100 to 2^100 in size, planned tiles; x's pass bit for bit;
+    and every E4M3 value widened exactly (bf16 rows of the identity read back each weight column)."""
+    x, weight, scale = make_inputs(m, 4096, 2048, torch.bfloat16, seed=m, device="cuda")
+    x = (x.float() * torch.exp2(torch.linspace(-100, 100, m).round()).cuda()[:, None]).to(torch.bfloat16)
+    check(x, weight, scale, split_k=split_k)
+    x16 = torch.full((m, 2048), -1.0, dtype=torch.float16, device="cuda")
+    exps = torch.full((m,), -1, dtype=torch.int32, device="cuda")
+    linear_module._x_f16_rows_kernel[(m,)](x, x16, exps, 2048, x.stride(0), x.stride(1), BLOCK=1024)
+    want_exps, want_x16 = x_rows_reference(x.cpu())
+    assert torch.equal(exps.cpu(), want_exps) and torch.equal(x16.cpu().view(torch.int16), want_x16.view(torch.int16))
+    bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)   # [254]
+    w8 = torch.cat([bits, bits[:2]]).view(16, 16).view(torch.float8_e4m3fn).cuda()        # [N=16, K=16]
+    s8 = torch.exp2(torch.arange(16.0) - 8).cuda()
+    eye = torch.eye(16, device="cuda", dtype=torch.bfloat16)
+    out = linear_fp8_triton(eye, w8, s8)                                                  # M = 16: the dot
+    assert torch.equal(out, (w8.float() * s8[:, None]).T.to(torch.bfloat16))
 
 
 @pytest.mark.gpu
