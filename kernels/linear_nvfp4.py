@@ -85,9 +85,13 @@ def _e2m1_words_to_e4m3(w):
     """int32 words of 8 E2M1 codes (4 bytes; element 2j in byte j's low nibble) -> two words of 4 E4M3
     bytes, the even elements and the odd ones, each E4M3 byte exactly the E2M1 value times 2^-6: the code's
     exponent and mantissa (e1 e0 m) become the E4M3 exponent's low bits and mantissa's top bit (e = 0,
-    the E2M1 subnormal, lands on the E4M3 subnormals), its sign the E4M3 sign; four bytes per operation."""
-    even = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & -0x7F7F7F80)        # mask 0x80808080
-    odd = ((w >> 2) & 0x1C1C1C1C) | (w & -0x7F7F7F80)
+    the E2M1 subnormal, lands on the E4M3 subnormals), its sign the E4M3 sign; four bytes per operation.
+    The form of `_e2m1_word_f16_fma_ptx`, which the interpreter runs this for: the signs masked once, then
+    per output the exponent-mantissa bits (0x1C) from the shifted word, the rest from the shifted signs
+    (whose bits inside 0x1C are dropped), one `lop3` each on the GPU."""
+    signs = w & -0x77777778                                          # 0x88888888
+    even = ((w << 2) & 0x1C1C1C1C) | ((signs << 4) & ~0x1C1C1C1C)
+    odd = ((w >> 2) & 0x1C1C1C1C) | (signs & ~0x1C1C1C1C)
     return even, odd
 
 
