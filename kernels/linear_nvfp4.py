@@ -394,11 +394,8 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
     k_end = tl.minimum(k_start + k_per_split, K)
     w_rows = w_ptr + n64[:, None] * stride_wn                        # [BN, 1]
     s_rows = s_ptr + n64[:, None] * stride_sn
-    k_last = k_per_split - BLOCK_K                                   # the last step in the slice
-    if AHEAD >= 1:   # the first steps' words in flight during the scan of x below
+    if AHEAD:   # the first step's words in flight during the scan of x below
         wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
-    if AHEAD == 2:
-        wv2, sb2 = _gemv_load_step(w_rows, s_rows, k_start + tl.minimum(BLOCK_K, k_last), K, BLOCK_K, EVEN_K)
     if X_PAIRS:   # x's pass (`_x_f16_pairs_kernel`) found e and wrote the scaled pairs
         e = tl.load(exp_ptr + pid_k)
     else:
@@ -409,8 +406,8 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
         a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, pairs_ptr, k_start, K, stride_xk, x_scale, BLOCK_K,
                                                       EVEN_K, X_PAIRS, USE_ASM)
     for k0 in range(0, k_per_split, BLOCK_K):
-        if AHEAD:   # the step AHEAD on in flight while this one computes (past the slice's end the last again)
-            kk = k_start + tl.minimum(k0 + AHEAD * BLOCK_K, k_last)
+        if AHEAD:   # the next step's operands in flight while this one computes (the last step reloads itself)
+            kk = k_start + tl.minimum(k0 + BLOCK_K, k_per_split - BLOCK_K)
             if X_PAIRS:   # the words and scales: x's pairs are L1 hits, loaded where they are used
                 nxt_w, nxt_s = _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K, EVEN_K)
                 a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, pairs_ptr, k_start + k0, K, stride_xk, x_scale,
@@ -425,10 +422,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
         wa, wb = tl.split(tl.reshape(wv, [BLOCK_N, NB, 2]))          # each block's first and second word
         lo, hi = _block_sum_f16(wa, wb, a0, a1, a2, a3, b0, b1, b2, b3, USE_ASM)
         acc += (lo + hi) * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if AHEAD == 2:
-            wv, sb = wv2, sb2
-            wv2, sb2 = nxt_w, nxt_s
-        elif AHEAD and X_PAIRS:
+        if AHEAD and X_PAIRS:
             wv, sb = nxt_w, nxt_s
         elif AHEAD:
             wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = nxt
@@ -605,20 +599,14 @@ def uses_x_pass(n: int, k: int) -> bool:
     return n * k >= X_PASS_MIN_ELEMENTS
 
 
-def gemv_ahead(plan: GemvPlan, x_pass: bool) -> int:
-    """How many K steps ahead the 16-bit-x GEMV loads its words: num_stages - 1, at most 2 with x's pass (x's
-    pairs loaded where used), at most 1 without (x's pairs travel with the words)."""
-    return min(max(plan.num_stages - 1, 0), 2 if x_pass else 1)
-
-
 def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         weight_scale_2: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,
                         plan: GemvPlan | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize_nvfp4(weight [N, K/2], weight_scale [N, K/16], weight_scale_2)^T -> [M, N] in
     x's dtype; arguments as `linear_triton` (a `plan`'s block_k must be a multiple of 16, its block_m 1, 16
     or 32; on the tensor-core path its num_stages - 1, 1 or 2, is how many K steps ahead the kernel loads:
-    Triton's own pipeliner does not take loads that feed arithmetic before the dot; the fp16-sum GEMV's
-    look-ahead is `gemv_ahead`)."""
+    Triton's own pipeliner does not take loads that feed arithmetic before the dot; the fp16-sum GEMV loads
+    one step ahead when num_stages > 1)."""
     m, k = x.shape
     n = weight.shape[0]
     if (k % NVFP4_BLOCK or weight.shape[1] * 2 != k or weight.stride(1) != 1 or weight.stride(0) % 4
@@ -652,7 +640,7 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
             x, pairs, exps, words, scale_bits, scale_2, out, part if part is not None else out, n, k,
             plan.k_per_split, x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
             BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
-            AHEAD=gemv_ahead(plan, x_pass), X_PAIRS=x_pass, SPLIT=part is not None, USE_ASM=x.is_cuda,
+            AHEAD=plan.num_stages > 1, X_PAIRS=x_pass, SPLIT=part is not None, USE_ASM=x.is_cuda,
             num_warps=plan.num_warps, num_stages=1)
     elif plan.block_m == 1:
         _gemv_nvfp4_kernel[grid](

@@ -7,7 +7,7 @@ A kernel that is bound by its decode arithmetic (the fp32 NVFP4 GEMV was) runs a
 at best, the clock 1.98 GHz at most and 1.77 GHz as Nsight Compute saw it under that load; `BENCHMARKS.md`
 quotes these counts. Pointer and size arguments are marked divisible by 16 and the unit strides of x and
 out specialized to 1, as Triton's launcher does at the real shapes. `nvfp4-gemv` is the kernel M = 1 with
-bf16 x runs on the LM heads (`_gemv_nvfp4_f16_kernel`), loading --stages - 1 K steps ahead (`gemv_ahead`),
+bf16 x runs on the LM heads (`_gemv_nvfp4_f16_kernel`), with its one-step look-ahead when --stages > 1 and
 x's pairs from x's own pass with --x-pass.
 
     python3 scripts/sass_stats.py nvfp4-gemm --tile 32,64,256 --swap --stages 2
@@ -57,8 +57,8 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
                     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, AHEAD=max(1, min(stages - 1, 2)), EVEN_K=True,
                          LOWP_DOT=True, SWAP_AB=swap, SPLIT=False, USE_ASM=True))
         return (linear_nvfp4._gemv_nvfp4_f16_kernel, types,             # what M = 1 with bf16 x runs
-                dict(BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, X_PAIRS=x_pass, SPLIT=False, USE_ASM=True,
-                     AHEAD=linear_nvfp4.gemv_ahead(linear.make_plan(1, bn, bk, bn, bk, num_stages=stages), x_pass)))
+                dict(BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, AHEAD=stages > 1, X_PAIRS=x_pass, SPLIT=False,
+                     USE_ASM=True))
     types = {"x_ptr": "*fp16" if x_pass else "*bf16", "exp_ptr": "*i32",
              "w_ptr": "*bf16" if fmt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16",
              "part_ptr": "*fp32"}

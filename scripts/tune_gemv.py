@@ -11,7 +11,6 @@ A time budget keeps it inside one device call; every result is appended to the J
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import itertools
 import json
@@ -42,7 +41,7 @@ DOT_TILES = [(16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (1
 NVFP4_TILES = [(16, 256), (32, 256), (64, 128), (64, 256), (128, 64), (128, 128), (256, 64)]
 # the NVFP4 GEMV (M = 1, fp16 block sums): rows per program x K per step (2026-12-03: 128 x 128 and 256 x 128
 # 10-40% slower; 32 x 512, 64 x 512 and 8 warps slower than these), 2 or 4 warps, one step ahead; each with
-# x paired in the GEMV's programs and by x's own pass (`uses_x_pass`), and with the pass two steps ahead
+# x paired in the GEMV's programs and by x's own pass (`uses_x_pass`)
 NVFP4_GEMV_TILES = [(32, 256), (64, 256), (128, 256)]
 # FP8 on the dot path, each in bf16 and in fp16 (x's pass, `F16_DOT_MIN_ELEMENTS`)
 FP8_DOT_TILES = [(64, 128), (64, 256), (128, 64), (128, 128)]
@@ -117,9 +116,6 @@ def main() -> int:
                     plans += [shipped] if shipped not in plans else []
                     for p, xp in itertools.product(plans, (False, True)):
                         run(p, xp)
-                    for p in plans:                    # two steps ahead (x's pass only)
-                        if p.num_stages == 2:
-                            run(dataclasses.replace(p, num_stages=3), True)
                     grid = []
                 elif fname == "fp8" and m > 1:         # the dot in bf16 and in fp16 (x's pass)
                     plans = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=3, swap_ab=sw)
