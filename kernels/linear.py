@@ -192,7 +192,8 @@ def _linear_kernel(x_ptr, exp_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K,
 def x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK: tl.constexpr):
     """The power of two e (int32) that puts the largest |x| of x[k_start:k_end] in [2^11, 2^12): amax lies in
     [2^(E - 127), 2^(E - 126)) for its biased exponent E, so x * 2^(138 - E) stays below 2^12. e is at most
-    127 (a scale fp32 holds): a slice whose largest |x| is below 2^-116 keeps x * 2^127 smaller."""
+    127 (a scale fp32 holds): a slice whose largest |x| is below 2^-116 keeps x * 2^127 smaller. BLOCK
+    (`x_scan_block`) covers the slice in one load where it can: each further one waits for the last."""
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
@@ -290,6 +291,11 @@ def _splitk_reduce_kernel(part_ptr, scale_ptr, out_ptr, M, N, splits, stride_om,
 
 # --- host side -----------------------------------------------------------------------------------------------
 
+def x_scan_block(span: int, cap: int = 8192) -> int:
+    """BLOCK for `x_exponent` and x's passes: the whole span of x in one load, up to `cap` elements."""
+    return min(triton.next_power_of_2(span), cap)
+
+
 def check_out(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
     """`out` if given (checked: [M, N], x's dtype and device), else a fresh [M, N] tensor."""
     if out is None:
@@ -349,7 +355,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     if scaled and plan.use_dot and x.dtype == torch.bfloat16 and n * k >= F16_DOT_MIN_ELEMENTS:
         x_op = torch.empty((m, k), dtype=torch.float16, device=x.device)
         exps = torch.empty(m, dtype=torch.int32, device=x.device)
-        _x_f16_rows_kernel[(m,)](x, x_op, exps, k, x.stride(0), x.stride(1), BLOCK=1024, num_warps=4)
+        _x_f16_rows_kernel[(m,)](x, x_op, exps, k, x.stride(0), x.stride(1), BLOCK=x_scan_block(k), num_warps=8)
     _linear_kernel[grid](
         x_op, exps, weight, weight_scale if scaled else out, out, part if part is not None else out, m, n, k,
         plan.k_per_split, x_op.stride(0), x_op.stride(1), weight.stride(0), out.stride(0), out.stride(1),

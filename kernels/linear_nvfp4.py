@@ -47,6 +47,7 @@ from mtpfactory.kernels.linear import (
     store_tile,
     supports_small_m,
     x_exponent,
+    x_scan_block,
 )
 from mtpfactory.ops import Op, triton_can_run
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
@@ -377,7 +378,8 @@ def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xk, BL
 def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_per_split,
                            stride_xk, stride_wn, stride_sn, stride_on,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           AHEAD: tl.constexpr, X_PAIRS: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+                           AHEAD: tl.constexpr, X_PAIRS: tl.constexpr, XBLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                           USE_ASM: tl.constexpr):
     """M = 1 with 16-bit x: out[n] = sum_k x[k] * w[n, k]. x is first scaled by a power of two 2^e that
     puts its largest magnitude in this program's K slice in [2^11, 2^12) (exact; X_PAIRS: `_x_f16_pairs_kernel`
     did that once for every program and left e and the fp16 pairs at exp_ptr and pairs_ptr), then each
@@ -399,7 +401,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
     if X_PAIRS:   # x's pass (`_x_f16_pairs_kernel`) found e and wrote the scaled pairs
         e = tl.load(exp_ptr + pid_k)
     else:
-        e = x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK_K)
+        e = x_exponent(x_ptr, k_start, k_end, stride_xk, XBLOCK)
     x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     if AHEAD and not X_PAIRS:
@@ -634,13 +636,14 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         pairs = torch.empty(k // 2 if x_pass else 1, dtype=torch.int32, device=x.device)
         exps = torch.empty(plan.splits, dtype=torch.int32, device=x.device)
         if x_pass:
-            _x_f16_pairs_kernel[(plan.splits,)](x, pairs, exps, k, plan.k_per_split, x.stride(1), BLOCK=512,
-                                                USE_ASM=x.is_cuda, num_warps=4)
+            _x_f16_pairs_kernel[(plan.splits,)](x, pairs, exps, k, plan.k_per_split, x.stride(1),
+                                                BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda, num_warps=8)
         _gemv_nvfp4_f16_kernel[grid](
             x, pairs, exps, words, scale_bits, scale_2, out, part if part is not None else out, n, k,
             plan.k_per_split, x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
             BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
-            AHEAD=plan.num_stages > 1, X_PAIRS=x_pass, SPLIT=part is not None, USE_ASM=x.is_cuda,
+            AHEAD=plan.num_stages > 1, X_PAIRS=x_pass, XBLOCK=x_scan_block(plan.k_per_split, 2048),
+            SPLIT=part is not None, USE_ASM=x.is_cuda,
             num_warps=plan.num_warps, num_stages=1)
     elif plan.block_m == 1:
         _gemv_nvfp4_kernel[grid](
