@@ -32,7 +32,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mtpfactory.kernels.linear import (
     GemvPlan,
@@ -360,8 +359,6 @@ def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xk, BL
     exp_ptr[slice], and x * 2^e as the fp16 pairs the GEMV's block sums take, word j's (0, 2), (4, 6), (1, 3),
     (5, 7) (`_x_pairs`' order) at pairs_ptr[4j .. 4j + 4): the pair o is elements lo and lo + 2 of word o // 4,
     lo = 4 (o % 2) + (o % 4) // 2. Once per call instead of in every program of the GEMV."""
-    if USE_ASM:   # the GEMV, launched with programmatic dependent launch, may start now (`gdc_wait` there)
-        gdc_launch_dependents()
     pid_k = tl.program_id(0)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -402,8 +399,6 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
     if AHEAD:   # the first step's words in flight during the scan of x below
         wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
     if X_PAIRS:   # x's pass (`_x_f16_pairs_kernel`) found e and wrote the scaled pairs
-        if USE_ASM:   # launched while the pass runs: its words above are in flight, x's pass is waited for here
-            gdc_wait()
         e = tl.load(exp_ptr + pid_k)
     else:
         e = x_exponent(x_ptr, k_start, k_end, stride_xk, XBLOCK)
@@ -649,7 +644,7 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
             BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
             AHEAD=plan.num_stages > 1, X_PAIRS=x_pass, XBLOCK=x_scan_block(plan.k_per_split, 2048),
             SPLIT=part is not None, USE_ASM=x.is_cuda,
-            num_warps=plan.num_warps, num_stages=1, **({"launch_pdl": True} if x_pass and x.is_cuda else {}))
+            num_warps=plan.num_warps, num_stages=1)
     elif plan.block_m == 1:
         _gemv_nvfp4_kernel[grid](
             x, words, scale_bits, scale_2, out, part if part is not None else out, n, k, plan.k_per_split,
