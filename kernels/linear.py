@@ -6,7 +6,8 @@ walks K in BLOCK_K chunks, loading each weight tile once for all M rows of x, ac
   once at the end.
 - 2 <= M <= 32: `tl.dot` on a [BLOCK_M in {16, 32}, BLOCK_K] x [BLOCK_K, BLOCK_N] tile, operands in x's
   dtype on the GPU (bf16 x bf16 products are exact in the fp32 accumulator), fp32 ("ieee") in the
-  interpreter, whose dot reads bf16 as raw bits.
+  interpreter, whose dot reads bf16 as raw bits. Large FP8 weights with bf16 x run it in fp16
+  (`_x_f16_rows_kernel` scales each row of x into fp16 by a power of two first, `F16_DOT_MIN_ELEMENTS`).
 - split-K (`split_k=True`, for tall-skinny weights such as 2048 x 4096): a second grid axis cuts K into
   SPLIT slices; each program writes its fp32 partial sums to a [SPLIT, M, N] buffer and a second kernel
   sums the slices in a fixed order (deterministic, unlike atomics), scales and casts.

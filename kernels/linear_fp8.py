@@ -1,8 +1,9 @@
 """W8A16 linear: y = (x @ W8^T) * weight_scale, W8 float8_e4m3fn [N, K] with one fp32 scale per output row.
 
 The Triton provider is `linear.py`'s GEMV / small-M GEMM with the FP8 tile widened in registers (to fp32,
-or on the GPU's dot path to x's dtype: every E4M3 value is exact in bf16 and fp16), the row scale applied
-once to the fp32 sum, as the reference does; split-K defers the scale to the reduction.
+or on the GPU's dot path to x's dtype: every E4M3 value is exact in bf16 and fp16; with bf16 x on weights of
+2^26 elements or more to fp16, x scaled into fp16 per row by a pass of its own, `F16_DOT_MIN_ELEMENTS`), the
+row scale applied once to the fp32 sum, as the reference does; split-K defers the scale to the reduction.
 """
 
 from __future__ import annotations

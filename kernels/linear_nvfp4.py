@@ -7,11 +7,13 @@ Triton provider decodes in registers; it shares `linear.py`'s plan and split-K r
 read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j in byte j's low nibble).
 - M = 1 with bf16 / fp16 x on programs of 16 rows or more (`_gemv_nvfp4_f16_kernel`, `uses_f16_gemv`),
   CUDA cores: x is scaled by a power of two that puts its largest magnitude in the program's K slice in
-  [2^11, 2^12) (exact); each word becomes E4M3 bytes, the even and the odd elements (6 integer ops a word:
+  [2^11, 2^12) (exact; on weights of 2^26 elements or more a pass of its own, `_x_f16_pairs_kernel`, scales
+  and pairs x once, `uses_x_pass`, else each program does it); each word becomes E4M3 bytes, the even and the odd elements (6 integer ops a word:
   `_E2M1X16_F16_DOT_PTX`), the hardware widens those to fp16 pairs (`cvt.rn.f16x2.e4m3x2`), and fp16x2 fmas
   sum each half of a 16-element block (8 products, within 2^-8 of the block's sum |x||w|: see the tests);
-  each block's sum times its scale is added in fp32. Its K loop: 3.09 sm_90 instructions per element at its
-  tile with the next step's words, scales and x loaded ahead (the fp32 kernel below: 5.4).
+  each block's sum times its scale is added in fp32. Its K loop: 2.73 sm_90 instructions per element at its
+  tile with x's pass and the next step's words and scales loaded ahead, 3.09 converting x itself with its
+  pairs loaded ahead too (the fp32 kernel below: 5.4).
 - M = 1 otherwise (`_gemv_nvfp4_kernel`: fp32 x, and programs of few rows), exact fp32 FMAs:
   `_e2m1_words_to_e4m3` turns a word into two words of E4M3 bytes the same way, the hardware widens them to
   fp32 through fp16 (the interpreter, which has no inline asm, decodes the same bits through fp16), each
