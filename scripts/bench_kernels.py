@@ -3,10 +3,11 @@ beside their peers measured in the same run (cuBLAS BF16 through torch, torch._s
 gemlite's A16W8_FP8 and A16W4_NVFP when they compile), at the real shapes and M = 1, 8, 32.
 
 Each figure is the median of `triton.testing.do_bench` over CUDA-graph replays of one launch per buffer
-across rotating copies of the weight (together larger than L2), printed beside its floor: the bytes the
-op must move (weight with its scales, x, out) over the device copy bandwidth measured at the start.
+across rotating copies of the weight (together larger than L2, and at least MIN_CALLS of them), printed
+beside its floor: the bytes the op must move (weight with its scales, x, out) over the device copy
+bandwidth measured at the start.
 
-    python3 scripts/bench_kernels.py [--json PATH] [--shapes lm_head_qwen,fc] [--ms 1,8,32]
+    python3 scripts/bench_kernels.py [--json PATH] [--shapes lm_head_qwen,fc] [--ms 1,8,32] [--no-gemlite]
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ SHAPES = {  # name: (N, K)
     "expert": (512, 2048),
 }
 ROTATE_BYTES = 512 * 2**20  # weights cycled per timing: several times the H200's 60 MB L2
+# ...and at least this many calls per timed replay: do_bench clears the L2 before each replay by writing a
+# 256 MB buffer, and the replay then pays for writing its dirty lines back, plus the graph's launch. Over 2
+# calls (the LM heads' copies before 2026-12-03's fifth run) that added about 7 us to each: the W4A16
+# 151936 x 2048 call timed 57.4 us while the profiler saw its two kernels take 50.5 back to back.
+MIN_CALLS = 16
 
 
 def copy_bandwidth() -> float:
@@ -123,15 +129,17 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default="1,8,32")
+    ap.add_argument("--no-gemlite", dest="gemlite", action="store_false",
+                    help="leave gemlite's peers out (building its layers over every weight copy takes a while)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.3f} TB/s (read + write)")
     rows = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        copies = max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))
+        copies = max(MIN_CALLS, math.ceil(ROTATE_BYTES / (n * k * 2)))
         w = formats(n, k, copies)
-        peers = gemlite_peers(w, k)
+        peers = gemlite_peers(w, k) if args.gemlite else {}
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = torch.nn.functional.linear(x.float(), w["bf16"][0].float())

@@ -26,7 +26,7 @@ from mtpfactory.kernels.linear_nvfp4 import TILES_NVFP4, _linear_nvfp4_native, l
 linear = importlib.import_module("mtpfactory.kernels.linear")               # the package exports the Ops
 linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_kernels import SHAPES, copy_bandwidth, formats, weight_bytes  # noqa: E402
+from bench_kernels import MIN_CALLS, SHAPES, copy_bandwidth, formats, weight_bytes  # noqa: E402
 
 # format -> (weights key, call(x, w, plan))
 FORMATS = {
@@ -73,7 +73,7 @@ def main() -> int:
     out = open(args.json, "a")
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
-        copies = max(2, -(-512 * 2**20 // (n * k * 2)))
+        copies = max(MIN_CALLS, -(-512 * 2**20 // (n * k * 2)))
         w = formats(n, k, copies)
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
