@@ -31,9 +31,10 @@ SHAPES = {  # name: (N, K)
 }
 ROTATE_BYTES = 512 * 2**20  # weights cycled per timing: several times the H200's 60 MB L2
 # ...and at least this many calls per timed replay: do_bench clears the L2 before each replay by writing a
-# 256 MB buffer, and the replay then pays for writing its dirty lines back, plus the graph's launch. Over 2
-# calls (the LM heads' copies before 2026-12-03's fifth run) that added about 7 us to each: the W4A16
-# 151936 x 2048 call timed 57.4 us while the profiler saw its two kernels take 50.5 back to back.
+# 256 MB buffer, and the replay then pays for writing its dirty lines back, plus the graph's launch. The LM
+# heads used to rotate 2 copies: on 2026-12-03 the W4A16 151936 x 2048 call timed 57.4 us that way, while
+# torch.profiler saw its two kernels take 50.2 us back to back in the same kind of graph (BENCHMARKS.md,
+# fourth run). 16 calls a replay spread that fixed cost thin (not yet re-timed on the H200).
 MIN_CALLS = 16
 
 
