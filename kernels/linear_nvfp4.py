@@ -8,12 +8,12 @@ read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j 
 - M = 1 with bf16 / fp16 x on programs of 16 rows or more (`_gemv_nvfp4_f16_kernel`, `uses_f16_gemv`),
   CUDA cores: x is scaled by a power of two that puts its largest magnitude in the program's K slice in
   [2^11, 2^12) (exact; on weights of 2^26 elements or more a pass of its own, `_x_f16_pairs_kernel`, scales
-  and pairs x once, `uses_x_pass`, else each program does it); each word becomes E4M3 bytes, the even and the odd elements (6 integer ops a word:
-  `_E2M1X16_F16_DOT_PTX`), the hardware widens those to fp16 pairs (`cvt.rn.f16x2.e4m3x2`), and fp16x2 fmas
-  sum each half of a 16-element block (8 products, within 2^-8 of the block's sum |x||w|: see the tests);
-  each block's sum times its scale is added in fp32. Its K loop: 2.73 sm_90 instructions per element at its
-  tile with x's pass and the next step's words and scales loaded ahead, 3.09 converting x itself with its
-  pairs loaded ahead too (the fp32 kernel below: 5.4).
+  and pairs x once, `uses_x_pass`, else each program does it); each word becomes E4M3 bytes, the even and
+  the odd elements (6 integer ops a word: `_E2M1X16_F16_DOT_PTX`), the hardware widens those to fp16 pairs
+  (`cvt.rn.f16x2.e4m3x2`), and fp16x2 fmas sum each half of a 16-element block (8 products, within 2^-8 of
+  the block's sum |x||w|: see the tests); each block's sum times its scale is added in fp32. Its K loop:
+  2.73 sm_90 instructions per element at its tile with x's pass and the next step's words and scales
+  loaded ahead, 3.12 converting x itself with its pairs loaded ahead too (the fp32 kernel below: 5.4).
 - M = 1 otherwise (`_gemv_nvfp4_kernel`: fp32 x, and programs of few rows), exact fp32 FMAs:
   `_e2m1_words_to_e4m3` turns a word into two words of E4M3 bytes the same way, the hardware widens them to
   fp32 through fp16 (the interpreter, which has no inline asm, decodes the same bits through fp16), each
@@ -358,22 +358,22 @@ def _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, 
 def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xk, BLOCK: tl.constexpr,
                         USE_ASM: tl.constexpr):
     """The x pass of the 16-bit-x GEMV, one program a K slice: the slice's exponent e (`x_exponent`) to
-    exp_ptr[slice], and x * 2^e as the fp16 pairs the GEMV's block sums take, word j's (0, 2), (4, 6), (1, 3),
-    (5, 7) (`_x_pairs`' order) at pairs_ptr[4j .. 4j + 4): the pair o is elements lo and lo + 2 of word o // 4,
-    lo = 4 (o % 2) + (o % 4) // 2. Once per call instead of in every program of the GEMV."""
+    exp_ptr[slice], and x * 2^e as the fp16 pairs the GEMV's block sums take (`_x_pairs`, word j's four at
+    pairs_ptr[4j .. 4j + 4]). Once per call instead of in every program of the GEMV."""
     pid_k = tl.program_id(0)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     e = x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK)
     tl.store(exp_ptr + pid_k, e)
     x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    for o0 in range(k_start // 2, k_end // 2, BLOCK):
-        o = o0 + tl.arange(0, BLOCK)
-        mask = o < k_end // 2
-        lo = (o // 4) * 8 + (o % 2) * 4 + (o % 4) // 2
-        x_lo = tl.load(x_ptr + lo * stride_xk, mask=mask, other=0.0).to(tl.float32) * x_scale
-        x_hi = tl.load(x_ptr + (lo + 2) * stride_xk, mask=mask, other=0.0).to(tl.float32) * x_scale
-        tl.store(pairs_ptr + o, _f16x2(x_lo, x_hi, USE_ASM), mask=mask)
+    for w0 in range(k_start // 8, k_end // 8, BLOCK // 8):
+        word = w0 + tl.arange(0, BLOCK // 8)
+        mask = word < k_end // 8
+        p0, p1, p2, p3 = _x_pairs(x_ptr + word * 8 * stride_xk, stride_xk, mask, x_scale, False, USE_ASM)
+        tl.store(pairs_ptr + 4 * word, p0, mask=mask)
+        tl.store(pairs_ptr + 4 * word + 1, p1, mask=mask)
+        tl.store(pairs_ptr + 4 * word + 2, p2, mask=mask)
+        tl.store(pairs_ptr + 4 * word + 3, p3, mask=mask)
 
 
 @triton.jit
@@ -398,7 +398,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
     k_end = tl.minimum(k_start + k_per_split, K)
     w_rows = w_ptr + n64[:, None] * stride_wn                        # [BN, 1]
     s_rows = s_ptr + n64[:, None] * stride_sn
-    if AHEAD:   # the first step's words in flight during the scan of x below
+    if AHEAD:   # the first step's words in flight during the scan of x (or the load of e) below
         wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
     if X_PAIRS:   # x's pass (`_x_f16_pairs_kernel`) found e and wrote the scaled pairs
         e = tl.load(exp_ptr + pid_k)
@@ -635,9 +635,10 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
     if uses_f16_gemv(x, plan):
         x_pass = uses_x_pass(n, k)
-        pairs = torch.empty(k // 2 if x_pass else 1, dtype=torch.int32, device=x.device)
-        exps = torch.empty(plan.splits, dtype=torch.int32, device=x.device)
+        pairs, exps = words, words                                   # read only with x's pass
         if x_pass:
+            pairs = torch.empty(k // 2, dtype=torch.int32, device=x.device)
+            exps = torch.empty(plan.splits, dtype=torch.int32, device=x.device)
             _x_f16_pairs_kernel[(plan.splits,)](x, pairs, exps, k, plan.k_per_split, x.stride(1),
                                                 BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda, num_warps=8)
         _gemv_nvfp4_f16_kernel[grid](
