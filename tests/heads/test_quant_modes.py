@@ -84,14 +84,33 @@ def test_triton_path_equals_native_path(case):
 
 def test_triton_bf16_fp8_head_with_x_pass_equals_native_path(monkeypatch):
     """bf16 through the Triton path with every FP8 weight counted as large, so the tiny head's prefill takes
-    what the LM heads do at several tokens: the FP8 dot in fp16 after x's row pass. Against the native path:
-    bf16 roundings only (measured ~5e-3, as in the test above). (The NVFP4 GEMV's x pass is the same op call
-    as in `tests/kernels/test_linear_nvfp4.py`; through a whole head in the interpreter it takes minutes.)"""
-    monkeypatch.setattr(importlib.import_module("mtpfactory.kernels.linear"), "F16_DOT_MIN_ELEMENTS", 0)
+    what the LM heads do at several tokens: the FP8 dot in fp16 after x's row pass. x * 2^e in fp16 is exact
+    here and the interpreter's dot sums the same fp32 products in the same order, so the logits equal those
+    with the pass off bit for bit; against the native path, bf16 roundings (measured 8.3e-3 either way).
+    (The NVFP4 GEMV's x pass is the same op call as in `tests/kernels/test_linear_nvfp4.py`; through a whole
+    head in the interpreter it takes minutes.)"""
+    linear = importlib.import_module("mtpfactory.kernels.linear")
     head, overrides = QUANTIZED["dense_fp8"]
     native = build(head, *overrides, "runtime.dtype=bfloat16", "runtime.backend=native")
-    triton = build(head, *overrides, "runtime.dtype=bfloat16", "runtime.backend=triton")
-    assert rel(run(triton, rows=6), run(native, rows=6)) < 2e-2
+    without = run(build(head, *overrides, "runtime.dtype=bfloat16", "runtime.backend=triton"), rows=6)
+    monkeypatch.setattr(linear, "F16_DOT_MIN_ELEMENTS", 0)
+    calls = []
+    monkeypatch.setattr(linear, "_x_f16_rows_kernel", _Counted(linear._x_f16_rows_kernel, calls))
+    with_pass = run(build(head, *overrides, "runtime.dtype=bfloat16", "runtime.backend=triton"), rows=6)
+    assert calls, "the prefill never ran x's row pass"
+    assert torch.equal(with_pass, without)
+    assert rel(with_pass, run(native, rows=6)) < 2e-2
+
+
+class _Counted:
+    """A Triton kernel whose launches (`kernel[grid](...)`) are recorded in `calls`."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("case, budget", [("dense_fp8", 0.08), ("dense_nvfp4", 0.35),
