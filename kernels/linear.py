@@ -111,13 +111,15 @@ def _block_m(m: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16BIT) -> GemvPlan:
+def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16BIT, max_gemv_m: int = 1) -> GemvPlan:
     """Tiles from `tiles` by M class, narrowed for weights with few rows as `TileTable` says; BLOCK_K
     shrinks to K (rounded up to a power of two, at least `tiles.min_block_k`); `split_k` adds K slices
-    where the N tiles alone leave SMs idle."""
-    bm = _block_m(m)
-    bn, bk = tiles.m1 if bm == 1 else tiles.m16 if bm == 16 else tiles.m32
-    min_tiles, min_bn, max_bk, programs = ((tiles.min_tiles, 1, tiles.max_block_k_fma, _SM_COUNT_H200) if bm == 1
+    where the N tiles alone leave SMs idle. M up to `max_gemv_m` runs as a GEMV on the CUDA cores (block_m
+    M rounded up to a power of two, the M = 1 tiles), larger M on the tensor cores."""
+    bm = 1 << (m - 1).bit_length() if m <= max_gemv_m else _block_m(m)
+    gemv = bm < 16
+    bn, bk = tiles.m1 if gemv else tiles.m16 if bm == 16 else tiles.m32
+    min_tiles, min_bn, max_bk, programs = ((tiles.min_tiles, 1, tiles.max_block_k_fma, _SM_COUNT_H200) if gemv
                                            else (tiles.min_tiles_dot, tiles.min_block_n_dot, tiles.max_block_k_dot,
                                                  tiles.dot_programs))
     while triton.cdiv(n, bn) < min_tiles and bn > min_bn:
@@ -125,7 +127,7 @@ def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16B
     bk = min(bk, max(tiles.min_block_k, triton.next_power_of_2(max(k, 1))))
     n_tiles = triton.cdiv(n, bn)
     splits = min(triton.cdiv(programs, n_tiles), _MAX_SPLITS) if split_k else 1
-    if bm == 1:
+    if gemv:
         return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm)
     cls = 0 if bm == 16 else 1
     return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm, num_stages=tiles.dot_stages[cls],

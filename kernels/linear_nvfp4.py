@@ -14,11 +14,16 @@ read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j 
   the block's sum |x||w|: see the tests); each block's sum times its scale is added in fp32. Its K loop:
   2.73 sm_90 instructions per element at its tile with x's pass and the next step's words and scales
   loaded ahead, 3.12 converting x itself with its pairs loaded ahead too (the fp32 kernel below: 5.4).
+- 2 <= M <= 8 with bf16 / fp16 x (`_gemv_nvfp4_rows_kernel`, `GEMV_MAX_ROWS`), CUDA cores: x's pass scales
+  and pairs each row (its own power of two), each block's words are decoded to fp16 pairs once for all the
+  rows (`_block_f16x2`) and each row adds only its fmas (`_block_sum_f16x2`); row m equals the M = 1
+  kernel on x[m] bit for bit.
 - M = 1 otherwise (`_gemv_nvfp4_kernel`: fp32 x, and programs of few rows), exact fp32 FMAs:
   `_e2m1_words_to_e4m3` turns a word into two words of E4M3 bytes the same way, the hardware widens them to
   fp32 through fp16 (the interpreter, which has no inline asm, decodes the same bits through fp16), each
   16-element block's sum times its scale once.
-- 1 <= M <= 32 (`_gemm_nvfp4_kernel`, the planner uses it from M = 2), tensor cores: `_e2m1x8_scaled`
+- 1 <= M <= 32 (`_gemm_nvfp4_kernel`, the planner uses it above GEMV_MAX_ROWS, and from M = 2 for fp32
+  x), tensor cores: `_e2m1x8_scaled`
   builds bf16 pairs from the word with two shifts and masks a pair (elements i and i + 4, whose nibbles
   lie 16 bits apart), each the E2M1 value times 2^-126, and one bf16x2 multiply by the block scale times
   2^118 makes them E2M1 * scale * 2^-8, exact; the dot takes them in that order (0, 4, 1, 5, 2, 6, 3, 7
@@ -174,12 +179,12 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_p
         tl.store(out_ptr + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-def _e2m1_word_f16_fma_ptx(w: str, x_pairs: list[str]) -> str:
+def _e2m1_word_f16x2_ptx(w: str, h: list[str]) -> str:
     """PTX: the 8 codes of word `w` to E4M3 bytes (the even elements' bytes and the odd ones', each the E2M1
     value times 2^-6: the signs of all eight masked once, then per output one shift and one `lop3` that takes
     the exponent-mantissa bits (0x1C) from the shifted word and the rest (the sign) from the shifted signs),
-    widened by the hardware to the fp16 pairs (0, 2), (4, 6), (1, 3), (5, 7), each times its x pair and added
-    to `acc` in fp16 pairs."""
+    widened by the hardware to the fp16 pairs (0, 2), (4, 6), (1, 3), (5, 7) in the registers `h`. Uses the
+    scratch registers v, a, b, e, o (.b32) and l0 .. l3 (.b16)."""
     return f"""
     and.b32 v, {w}, 0x88888888;
     shl.b32 a, {w}, 2;
@@ -189,24 +194,39 @@ def _e2m1_word_f16_fma_ptx(w: str, x_pairs: list[str]) -> str:
     lop3.b32 o, a, v, 0x1C1C1C1C, 0xE4;
     mov.b32 {{l0, l1}}, e;
     mov.b32 {{l2, l3}}, o;
-    cvt.rn.f16x2.e4m3x2 h0, l0;
-    cvt.rn.f16x2.e4m3x2 h1, l1;
-    cvt.rn.f16x2.e4m3x2 h2, l2;
-    cvt.rn.f16x2.e4m3x2 h3, l3;
-    fma.rn.f16x2 acc, h0, {x_pairs[0]}, acc;
-    fma.rn.f16x2 acc, h1, {x_pairs[1]}, acc;
-    fma.rn.f16x2 acc, h2, {x_pairs[2]}, acc;
-    fma.rn.f16x2 acc, h3, {x_pairs[3]}, acc;"""
+    cvt.rn.f16x2.e4m3x2 {h[0]}, l0;
+    cvt.rn.f16x2.e4m3x2 {h[1]}, l1;
+    cvt.rn.f16x2.e4m3x2 {h[2]}, l2;
+    cvt.rn.f16x2.e4m3x2 {h[3]}, l3;"""
 
+
+def _f16x2_fma_ptx(h: list[str], x_pairs: list[str]) -> str:
+    """PTX: each fp16 pair of `h` times its x pair, added to the fp16 pair in register acc."""
+    return "".join(f"\n    fma.rn.f16x2 acc, {hi}, {xi}, acc;" for hi, xi in zip(h, x_pairs))
+
+
+_H = ["h0", "h1", "h2", "h3"]
+_F16_SUM_TO_F32 = "\n    mov.b32 {l0, l1}, acc;\n    cvt.f32.f16 $0, l0;\n    cvt.f32.f16 $1, l1;\n}"
 
 # One 16-element block of one row for the M = 1 kernel with 16-bit x, on the GPU: $2, $3 the block's two words,
 # $4..$11 the scaled x as fp16 pairs (`_x_pairs`: word 0's then word 1's); $0, $1 the two fp16 halves of the
 # block's sum, each the sum of 8 products, as fp32. `lop3` 0xE4 is (a & c) | (b & ~c).
 _E2M1X16_F16_DOT_PTX = tl.constexpr(
     "{\n    .reg .b32 v, a, b, e, o, h0, h1, h2, h3, acc;\n    .reg .b16 l0, l1, l2, l3;\n    mov.b32 acc, 0;"
-    + _e2m1_word_f16_fma_ptx("$2", ["$4", "$5", "$6", "$7"])
-    + _e2m1_word_f16_fma_ptx("$3", ["$8", "$9", "$10", "$11"])
-    + "\n    mov.b32 {l0, l1}, acc;\n    cvt.f32.f16 $0, l0;\n    cvt.f32.f16 $1, l1;\n}")
+    + _e2m1_word_f16x2_ptx("$2", _H) + _f16x2_fma_ptx(_H, ["$4", "$5", "$6", "$7"])
+    + _e2m1_word_f16x2_ptx("$3", _H) + _f16x2_fma_ptx(_H, ["$8", "$9", "$10", "$11"])
+    + _F16_SUM_TO_F32)
+
+# The same block in two halves for the GEMV of several rows, whose decode serves every row: $8, $9 the two
+# words -> $0..$7 their fp16 pairs (word 0's four, then word 1's) ...
+_E2M1X16_F16X2_PTX = tl.constexpr(
+    "{\n    .reg .b32 v, a, b, e, o;\n    .reg .b16 l0, l1, l2, l3;"
+    + _e2m1_word_f16x2_ptx("$8", ["$0", "$1", "$2", "$3"]) + _e2m1_word_f16x2_ptx("$9", ["$4", "$5", "$6", "$7"])
+    + "\n}")
+# ... and one row's sums: $2..$9 the pairs, $10..$17 the row's x pairs -> $0, $1 as above.
+_F16X2_BLOCK_SUM_PTX = tl.constexpr(
+    "{\n    .reg .b32 acc;\n    .reg .b16 l0, l1;\n    mov.b32 acc, 0;"
+    + _f16x2_fma_ptx([f"${i}" for i in range(2, 10)], [f"${i}" for i in range(10, 18)]) + _F16_SUM_TO_F32)
 
 
 @triton.jit
@@ -274,22 +294,63 @@ def _block_sum_f16(wa, wb, a0, a1, a2, a3, b0, b1, b2, b3, USE_ASM: tl.constexpr
                   z + b0[None, :], z + b1[None, :], z + b2[None, :], z + b3[None, :]],
             dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     else:
-        lo = tl.zeros(wa.shape, dtype=tl.float32)
-        hi = tl.zeros(wa.shape, dtype=tl.float32)
-        lo, hi = _word_f16_fma(lo, hi, wa, a0, a1, a2, a3)
-        return _word_f16_fma(lo, hi, wb, b0, b1, b2, b3)
+        return _block_sum_f16x2(_block_f16x2(wa, wb, False), (a0, a1, a2, a3, b0, b1, b2, b3), False)
 
 
 @triton.jit
-def _word_f16_fma(lo, hi, w, p0, p1, p2, p3):
-    """The interpreter's half of `_E2M1X16_F16_DOT_PTX` for one word."""
+def _block_f16x2(wa, wb, USE_ASM: tl.constexpr):
+    """A 16-element block's two words [BN, NB] -> its 8 fp16 pairs as int32 [BN, NB] (word 0's (0, 2), (4, 6),
+    (1, 3), (5, 7), then word 1's), each element the E2M1 value times 2^-6: the first half of
+    `_E2M1X16_F16_DOT_PTX`, for the GEMV of several rows (`_block_sum_f16x2` the second, once a row)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm=_E2M1X16_F16X2_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[wa, wb],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+    else:
+        h0, h1, h2, h3 = _word_f16x2(wa)
+        h4, h5, h6, h7 = _word_f16x2(wb)
+        return h0, h1, h2, h3, h4, h5, h6, h7
+
+
+@triton.jit
+def _block_sum_f16x2(h, p, USE_ASM: tl.constexpr):
+    """One row's sums of its blocks as `_block_sum_f16` returns them, from the blocks' 8 fp16 pairs h (a tuple
+    of [BN, NB], `_block_f16x2`) and the row's 8 x pairs p (a tuple of [NB], `_x_pairs` order)."""
+    if USE_ASM:
+        z = tl.zeros(h[0].shape, dtype=tl.int32)
+        return tl.inline_asm_elementwise(
+            asm=_F16X2_BLOCK_SUM_PTX, constraints="=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            args=[h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7],
+                  z + p[0][None, :], z + p[1][None, :], z + p[2][None, :], z + p[3][None, :],
+                  z + p[4][None, :], z + p[5][None, :], z + p[6][None, :], z + p[7][None, :]],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        lo = tl.zeros(h[0].shape, dtype=tl.float32)
+        hi = tl.zeros(h[0].shape, dtype=tl.float32)
+        lo, hi = _f16x2_fma4(lo, hi, h[0], h[1], h[2], h[3], p[0][None, :], p[1][None, :], p[2][None, :],
+                             p[3][None, :])
+        return _f16x2_fma4(lo, hi, h[4], h[5], h[6], h[7], p[4][None, :], p[5][None, :], p[6][None, :],
+                           p[7][None, :])
+
+
+@triton.jit
+def _word_f16x2(w):
+    """The interpreter's `_e2m1_word_f16x2_ptx`: words -> their fp16 pairs (0, 2), (4, 6), (1, 3), (5, 7) as
+    int32 words of fp16 bits."""
     even, odd = _e2m1_words_to_e4m3(w)
     h0, h1 = _e4m3_word_f16x2(even)
     h2, h3 = _e4m3_word_f16x2(odd)
-    lo, hi = _f16_fma_pairs(lo, hi, h0, p0[None, :])
-    lo, hi = _f16_fma_pairs(lo, hi, h1, p1[None, :])
-    lo, hi = _f16_fma_pairs(lo, hi, h2, p2[None, :])
-    return _f16_fma_pairs(lo, hi, h3, p3[None, :])
+    return h0, h1, h2, h3
+
+
+@triton.jit
+def _f16x2_fma4(lo, hi, h0, h1, h2, h3, p0, p1, p2, p3):
+    """The interpreter's `_f16x2_fma_ptx` over four fp16 pairs and their x pairs."""
+    lo, hi = _f16_fma_pairs(lo, hi, h0, p0)
+    lo, hi = _f16_fma_pairs(lo, hi, h1, p1)
+    lo, hi = _f16_fma_pairs(lo, hi, h2, p2)
+    return _f16_fma_pairs(lo, hi, h3, p3)
 
 
 @triton.jit
@@ -320,24 +381,32 @@ def _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.con
 
 
 @triton.jit
+def _x_pairs_step(pairs_ptr, kk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The 8 x pairs [NB] of each block of the K step from element kk that x's pass wrote for one row
+    (`_x_f16_pairs_kernel`: the block's first word's four, then its second word's), as a tuple."""
+    blk = kk // 16 + tl.arange(0, BLOCK_K // 16)                     # [NB]
+    pp = pairs_ptr + blk * 8
+    if EVEN_K:
+        return (tl.load(pp), tl.load(pp + 1), tl.load(pp + 2), tl.load(pp + 3),
+                tl.load(pp + 4), tl.load(pp + 5), tl.load(pp + 6), tl.load(pp + 7))
+    else:
+        mask_b = blk < K // 16
+        return (tl.load(pp, mask=mask_b, other=0), tl.load(pp + 1, mask=mask_b, other=0),
+                tl.load(pp + 2, mask=mask_b, other=0), tl.load(pp + 3, mask=mask_b, other=0),
+                tl.load(pp + 4, mask=mask_b, other=0), tl.load(pp + 5, mask=mask_b, other=0),
+                tl.load(pp + 6, mask=mask_b, other=0), tl.load(pp + 7, mask=mask_b, other=0))
+
+
+@triton.jit
 def _gemv_x_step(x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr):
     """Each block's x pairs of the K step from element kk (`_x_pairs`: the block's first word's four, then
-    its second word's): with X_PAIRS the 8 int32 of each block that `_x_f16_pairs_kernel` wrote, else built
-    here from x."""
-    blk = kk // 16 + tl.arange(0, BLOCK_K // 16)                     # [NB]
-    mask_b = None if EVEN_K else blk < K // 16
+    its second word's): with X_PAIRS those `_x_f16_pairs_kernel` wrote, else built here from x."""
     if X_PAIRS:
-        pp = pairs_ptr + blk * 8
-        if EVEN_K:
-            return (tl.load(pp), tl.load(pp + 1), tl.load(pp + 2), tl.load(pp + 3),
-                    tl.load(pp + 4), tl.load(pp + 5), tl.load(pp + 6), tl.load(pp + 7))
-        else:
-            return (tl.load(pp, mask=mask_b, other=0), tl.load(pp + 1, mask=mask_b, other=0),
-                    tl.load(pp + 2, mask=mask_b, other=0), tl.load(pp + 3, mask=mask_b, other=0),
-                    tl.load(pp + 4, mask=mask_b, other=0), tl.load(pp + 5, mask=mask_b, other=0),
-                    tl.load(pp + 6, mask=mask_b, other=0), tl.load(pp + 7, mask=mask_b, other=0))
+        return _x_pairs_step(pairs_ptr, kk, K, BLOCK_K, EVEN_K)
     else:
+        blk = kk // 16 + tl.arange(0, BLOCK_K // 16)                 # [NB]
+        mask_b = None if EVEN_K else blk < K // 16
         xp = x_ptr + blk * 16 * stride_xk
         a0, a1, a2, a3 = _x_pairs(xp, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
         b0, b1, b2, b3 = _x_pairs(xp + 8 * stride_xk, stride_xk, mask_b, x_scale, EVEN_K, USE_ASM)
@@ -355,16 +424,20 @@ def _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, 
 
 
 @triton.jit
-def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xk, BLOCK: tl.constexpr,
+def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xm, stride_xk, BLOCK: tl.constexpr,
                         USE_ASM: tl.constexpr):
-    """The x pass of the 16-bit-x GEMV, one program a K slice: the slice's exponent e (`x_exponent`) to
-    exp_ptr[slice], and x * 2^e as the fp16 pairs the GEMV's block sums take (`_x_pairs`, word j's four at
-    pairs_ptr[4j .. 4j + 4]). Once per call instead of in every program of the GEMV."""
+    """The x pass of the 16-bit-x GEMVs, one program a K slice of a row m of x (grid: slices, rows): the
+    slice's exponent e (`x_exponent`) to exp_ptr[m, slice] ([M, slices]), and x[m] * 2^e as the fp16 pairs
+    the block sums take (`_x_pairs`, word j's four at pairs_ptr[m, 4j .. 4j + 4], [M, K/2]). Once per call
+    instead of in every program of the GEMV."""
     pid_k = tl.program_id(0)
+    row = tl.program_id(1)
+    x_ptr += row * stride_xm
+    pairs_ptr += row * (K // 2)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     e = x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK)
-    tl.store(exp_ptr + pid_k, e)
+    tl.store(exp_ptr + row * tl.num_programs(0) + pid_k, e)
     x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     for w0 in range(k_start // 8, k_end // 8, BLOCK // 8):
         word = w0 + tl.arange(0, BLOCK // 8)
@@ -374,6 +447,14 @@ def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xk, BL
         tl.store(pairs_ptr + 4 * word + 1, p1, mask=mask)
         tl.store(pairs_ptr + 4 * word + 2, p2, mask=mask)
         tl.store(pairs_ptr + 4 * word + 3, p3, mask=mask)
+
+
+@triton.jit
+def _undo_scaling(acc, e):
+    """A row's sums of blocks (each E2M1 * 2^-6 times x * 2^e) times 2^(6 - e), in two exact steps: 2^(6 - e)
+    can leave fp32's normal range."""
+    acc = acc * ((127 + 6 - (e >> 1)) << 23).to(tl.float32, bitcast=True)
+    return acc * ((127 - e + (e >> 1)) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -430,14 +511,62 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
             wv, sb = nxt_w, nxt_s
         elif AHEAD:
             wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = nxt
-    # undo 2^-6 (the decode) and 2^e (x) in two exact steps: 2^(6 - e) can leave fp32's normal range
-    acc = tl.sum(acc, axis=1) * ((127 + 6 - (e >> 1)) << 23).to(tl.float32, bitcast=True)
-    acc = acc * ((127 - e + (e >> 1)) << 23).to(tl.float32, bitcast=True)
+    acc = _undo_scaling(tl.sum(acc, axis=1), e)
     if SPLIT:
         tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
     else:
         acc = acc * tl.load(s2_ptr)
         tl.store(out_ptr + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _gemv_nvfp4_rows_kernel(pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_per_split,
+                            stride_wn, stride_sn, stride_om, stride_on,
+                            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                            AHEAD: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+    """2 <= M <= 8 with 16-bit x, CUDA cores: `_gemv_nvfp4_f16_kernel`'s sums for each of the ROWS rows of x,
+    from the pairs and exponents x's pass wrote for each row ([ROWS, K/2], [ROWS, slices]). Each block's words
+    are decoded to fp16 pairs once (`_block_f16x2`) and serve every row (`_block_sum_f16x2`), so a row costs
+    its fmas, not its decode. Row m's result is the M = 1 kernel's for x[m], bit for bit."""
+    NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # [BN]
+    mask_n = offs_n < N
+    n64 = tl.minimum(offs_n, N - 1).to(tl.int64)
+    k_start = pid_k * k_per_split
+    w_rows = w_ptr + n64[:, None] * stride_wn                        # [BN, 1]
+    s_rows = s_ptr + n64[:, None] * stride_sn
+    if AHEAD:
+        wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
+    accs = ()
+    for r in tl.static_range(ROWS):
+        accs = accs + (tl.zeros([BLOCK_N, NB], dtype=tl.float32),)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        if AHEAD:   # the next step's words and scales in flight while this one computes
+            kk = k_start + tl.minimum(k0 + BLOCK_K, k_per_split - BLOCK_K)
+            nxt_w, nxt_s = _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K, EVEN_K)
+        else:
+            wv, sb = _gemv_load_step(w_rows, s_rows, k_start + k0, K, BLOCK_K, EVEN_K)
+        wa, wb = tl.split(tl.reshape(wv, [BLOCK_N, NB, 2]))          # each block's first and second word
+        h = _block_f16x2(wa, wb, USE_ASM)
+        scale = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        summed = ()
+        for r in tl.static_range(ROWS):
+            p = _x_pairs_step(pairs_ptr + r * (K // 2), k_start + k0, K, BLOCK_K, EVEN_K)
+            lo, hi = _block_sum_f16x2(h, p, USE_ASM)
+            summed = summed + (accs[r] + (lo + hi) * scale,)
+        accs = summed
+        if AHEAD:
+            wv, sb = nxt_w, nxt_s
+    s2 = tl.load(s2_ptr)
+    for r in tl.static_range(ROWS):
+        acc = _undo_scaling(tl.sum(accs[r], axis=1), tl.load(exp_ptr + r * tl.num_programs(1) + pid_k))
+        if SPLIT:
+            tl.store(part_ptr + (pid_k * ROWS + r) * N + offs_n, acc, mask=mask_n)
+        else:
+            tl.store(out_ptr + r * stride_om + offs_n * stride_on, (acc * s2).to(out_ptr.dtype.element_ty),
+                     mask=mask_n)
 
 
 def _e2m1_pair_ptx(t: int) -> str:
@@ -585,11 +714,16 @@ def _gemm_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, 
 # 4 rows a program, 7.5 us against 5.6; 512 x 2048 at 1 row, 4.7 against 3.3).
 F16_GEMV_MIN_ROWS = 16
 
+# 16-bit x of up to this many rows runs the GEMV of several rows (`_gemv_nvfp4_rows_kernel`) rather than the
+# tensor cores: its decode serves every row, and each row adds 0.75 instructions an element.
+GEMV_MAX_ROWS = 8
+
 
 def uses_f16_gemv(x: torch.Tensor, plan: GemvPlan) -> bool:
-    """Whether a GEMV plan runs `_gemv_nvfp4_f16_kernel` (16-bit x, programs of F16_GEMV_MIN_ROWS rows or
-    more) rather than the fp32 `_gemv_nvfp4_kernel`."""
-    return plan.block_m == 1 and x.dtype in (torch.bfloat16, torch.float16) and plan.block_n >= F16_GEMV_MIN_ROWS
+    """Whether a GEMV plan sums blocks in fp16: 16-bit x, and `_gemv_nvfp4_rows_kernel` (M >= 2) or
+    `_gemv_nvfp4_f16_kernel` on programs of F16_GEMV_MIN_ROWS rows or more, not the fp32 `_gemv_nvfp4_kernel`."""
+    return (not plan.use_dot and x.dtype in (torch.bfloat16, torch.float16)
+            and (x.shape[0] > 1 or plan.block_n >= F16_GEMV_MIN_ROWS))
 
 
 # The 16-bit-x GEMV of weights of this many elements or more scales and pairs x in a pass of its own
@@ -603,14 +737,22 @@ def uses_x_pass(n: int, k: int) -> bool:
     return n * k >= X_PASS_MIN_ELEMENTS
 
 
+def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool) -> GemvPlan:
+    """The planner's tiles for x [M, K] times an [n, k] NVFP4 weight (16-bit x of up to GEMV_MAX_ROWS rows
+    as a GEMV)."""
+    return plan_for(x.shape[0], n, k, split_k, TILES_NVFP4,
+                    GEMV_MAX_ROWS if x.dtype in (torch.bfloat16, torch.float16) else 1)
+
+
 def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         weight_scale_2: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,
                         plan: GemvPlan | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize_nvfp4(weight [N, K/2], weight_scale [N, K/16], weight_scale_2)^T -> [M, N] in
-    x's dtype; arguments as `linear_triton` (a `plan`'s block_k must be a multiple of 16, its block_m 1, 16
-    or 32; on the tensor-core path its num_stages - 1, 1 or 2, is how many K steps ahead the kernel loads:
-    Triton's own pipeliner does not take loads that feed arithmetic before the dot; the fp16-sum GEMV loads
-    one step ahead when num_stages > 1)."""
+    x's dtype; arguments as `linear_triton` (a `plan`'s block_k must be a multiple of 16, its block_m at
+    least M: 1, 2, 4 or 8 (the GEMVs; more than one row for 16-bit x only), 16 or 32 (the tensor cores); on
+    the tensor-core path its num_stages - 1, 1 or 2, is how many K steps ahead the kernel loads: Triton's own
+    pipeliner does not take loads that feed arithmetic before the dot; the fp16-sum GEMVs load one step
+    ahead when num_stages > 1)."""
     m, k = x.shape
     n = weight.shape[0]
     if (k % NVFP4_BLOCK or weight.shape[1] * 2 != k or weight.stride(1) != 1 or weight.stride(0) % 4
@@ -622,32 +764,45 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     out = check_out(out, m, n, x)
     if m == 0 or n == 0:
         return out
-    plan = plan or plan_for(m, n, k, split_k, TILES_NVFP4)
-    if plan.block_k % NVFP4_BLOCK or (plan.use_dot and plan.block_k < 32) or 1 < plan.block_m < 16:
-        raise ValueError(f"plan: block_m = {plan.block_m}, block_k = {plan.block_k}; NVFP4 tiles hold whole "
-                         "16-element blocks (block_k a multiple of 16, at least 32 on the tl.dot path, where a "
-                         "dot takes K >= 16), and M runs as a GEMV (block_m = 1) or on the tensor cores "
-                         "(block_m 16 or 32): use one of those")
+    x16 = x.dtype in (torch.bfloat16, torch.float16)
+    plan = plan or default_plan(x, n, k, split_k)
+    if plan.block_k % NVFP4_BLOCK or (plan.use_dot and plan.block_k < 32):
+        raise ValueError(f"plan: block_k = {plan.block_k}; NVFP4 tiles hold whole 16-element blocks (block_k a "
+                         "multiple of 16, at least 32 on the tl.dot path, where a dot takes K >= 16): use one of "
+                         "those")
+    if plan.block_m < m or (1 < plan.block_m < 16 and (not x16 or plan.block_m > GEMV_MAX_ROWS)):
+        raise ValueError(f"plan: block_m = {plan.block_m} for M = {m} rows of {x.dtype} x; NVFP4 runs M as a GEMV "
+                         f"(block_m 1 for M = 1; 2, 4 or 8, at least M, for up to {GEMV_MAX_ROWS} rows of bf16 or "
+                         "fp16 x) or on the tensor cores (block_m 16 or 32, at least M): use one of those")
     part = partial_buffer(plan, m, n, x)
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     scale_2 = weight_scale_2.reshape(1)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
     if uses_f16_gemv(x, plan):
-        x_pass = uses_x_pass(n, k)
+        x_pass = m > 1 or uses_x_pass(n, k)                          # several rows: always
         pairs, exps = words, words                                   # read only with x's pass
         if x_pass:
-            pairs = torch.empty(k // 2, dtype=torch.int32, device=x.device)
-            exps = torch.empty(plan.splits, dtype=torch.int32, device=x.device)
-            _x_f16_pairs_kernel[(plan.splits,)](x, pairs, exps, k, plan.k_per_split, x.stride(1),
-                                                BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda, num_warps=8)
-        _gemv_nvfp4_f16_kernel[grid](
-            x, pairs, exps, words, scale_bits, scale_2, out, part if part is not None else out, n, k,
-            plan.k_per_split, x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
-            BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
-            AHEAD=plan.num_stages > 1, X_PAIRS=x_pass, XBLOCK=x_scan_block(plan.k_per_split, 2048),
-            SPLIT=part is not None, USE_ASM=x.is_cuda,
-            num_warps=plan.num_warps, num_stages=1)
+            pairs = torch.empty((m, k // 2), dtype=torch.int32, device=x.device)
+            exps = torch.empty((m, plan.splits), dtype=torch.int32, device=x.device)
+            _x_f16_pairs_kernel[(plan.splits, m)](x, pairs, exps, k, plan.k_per_split, x.stride(0), x.stride(1),
+                                                  BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda,
+                                                  num_warps=8)
+        if m > 1:
+            _gemv_nvfp4_rows_kernel[grid](
+                pairs, exps, words, scale_bits, scale_2, out, part if part is not None else out, n, k,
+                plan.k_per_split, words.stride(0), scale_bits.stride(0), out.stride(0), out.stride(1),
+                ROWS=m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
+                AHEAD=plan.num_stages > 1, SPLIT=part is not None, USE_ASM=x.is_cuda,
+                num_warps=plan.num_warps, num_stages=1)
+        else:
+            _gemv_nvfp4_f16_kernel[grid](
+                x, pairs, exps, words, scale_bits, scale_2, out, part if part is not None else out, n, k,
+                plan.k_per_split, x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
+                BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
+                AHEAD=plan.num_stages > 1, X_PAIRS=x_pass, XBLOCK=x_scan_block(plan.k_per_split, 2048),
+                SPLIT=part is not None, USE_ASM=x.is_cuda,
+                num_warps=plan.num_warps, num_stages=1)
     elif plan.block_m == 1:
         _gemv_nvfp4_kernel[grid](
             x, words, scale_bits, scale_2, out, part if part is not None else out, n, k, plan.k_per_split,

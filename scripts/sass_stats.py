@@ -12,6 +12,7 @@ x's pairs from x's own pass with --x-pass.
 
     python3 scripts/sass_stats.py nvfp4-gemm --tile 32,64,256 --swap --stages 2
     python3 scripts/sass_stats.py nvfp4-gemv --tile 1,64,256 --stages 2 --x-pass
+    python3 scripts/sass_stats.py nvfp4-gemv --tile 8,64,256 --stages 2        (the GEMV of 8 rows)
     python3 scripts/sass_stats.py {bf16,fp8}-{gemv,gemm} ...  [--warps 4] [--stages 3] [--sass out.sass]
 """
 
@@ -56,6 +57,9 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
             return (linear_nvfp4._gemm_nvfp4_kernel, types,
                     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, AHEAD=max(1, min(stages - 1, 2)), EVEN_K=True,
                          LOWP_DOT=True, SWAP_AB=swap, SPLIT=False, USE_ASM=True))
+        if bm > 1:                                                   # 2 <= M <= 8 rows of bf16 x
+            return (linear_nvfp4._gemv_nvfp4_rows_kernel, {**types, "pairs_ptr": "*i32"},
+                    dict(ROWS=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, AHEAD=stages > 1, SPLIT=False, USE_ASM=True))
         return (linear_nvfp4._gemv_nvfp4_f16_kernel, types,             # what M = 1 with bf16 x runs
                 dict(BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, AHEAD=stages > 1, X_PAIRS=x_pass, XBLOCK=2048,
                      SPLIT=False, USE_ASM=True))
@@ -67,19 +71,25 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
                  ROW_SCALE=fmt == "fp8", X_EXP=x_pass))
 
 
-def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> str:
+def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> tuple[str, int, int]:
+    """(the disassembly, registers a thread, bytes of local memory a thread: spills) of `fn` compiled for
+    sm_90."""
     constexprs = {**{a: 1 for a in _UNIT if a in fn.arg_names}, **constexprs}
     sig = _signature(fn, types, constexprs)
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in _DIVISIBLE if a in sig}
     compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        return subprocess.run([nvdisasm, "-c", "-g", path], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", "-g", path], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", path],
+                               capture_output=True, text=True, check=True).stdout
+    return sass, int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"LOCAL:(\d+)", usage).group(1))
 
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)")
@@ -123,11 +133,12 @@ def main() -> int:
     args = ap.parse_args()
     dot = args.kernel.endswith("gemm")
     bm, bn, bk = (int(v) for v in (args.tile or ("32,128,64" if dot else "1,32,256")).split(","))
-    if dot != (bm >= 16):
-        ap.error(f"--tile {bm},{bn},{bk}: a gemm tile has BLOCK_M 16 or 32, a gemv tile BLOCK_M 1")
+    if dot != (bm >= 16) or (bm > 1 and not dot and args.kernel != "nvfp4-gemv"):
+        ap.error(f"--tile {bm},{bn},{bk}: a gemm tile has BLOCK_M 16 or 32, a gemv tile BLOCK_M 1 (nvfp4-gemv: "
+                 "up to 8, the GEMV of several rows)")
     fn, types, constexprs = kernel(args.kernel, bm, bn, bk, args.swap, args.stages, args.x_pass)
     stages = 1 if "AHEAD" in constexprs else args.stages
-    sass = compile_sass(fn, types, constexprs, args.warps, stages)
+    sass, regs, spills = compile_sass(fn, types, constexprs, args.warps, stages)
     if args.sass:
         with open(args.sass, "w") as f:
             f.write(sass)
@@ -136,7 +147,8 @@ def main() -> int:
     hist = collections.Counter(op for op, _ in body)
     stores = collections.Counter(op + mods for op, mods in body if op in ("STS", "STSM"))
     print(f"{args.kernel} tile {bm}x{bn}x{bk} warps {args.warps} stages {args.stages}{' swap' if args.swap else ''}: "
-          f"{len(body)} instructions a K step, {len(body) / per_thread:.2f} per weight element and thread")
+          f"{len(body)} instructions a K step, {len(body) / per_thread:.2f} per weight element and thread; "
+          f"{regs} registers, {spills} bytes of local memory")
     print("  " + ", ".join(f"{op} {n}" for op, n in hist.most_common(14)))
     if stores:
         print("  shared stores: " + ", ".join(f"{op} {n}" for op, n in stores.most_common()))

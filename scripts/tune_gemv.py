@@ -43,6 +43,8 @@ NVFP4_TILES = [(16, 256), (32, 256), (64, 128), (64, 256), (128, 64), (128, 128)
 # 10-40% slower; 32 x 512, 64 x 512 and 8 warps slower than these), 2 or 4 warps, one step ahead; each with
 # x paired in the GEMV's programs and by x's own pass (`uses_x_pass`)
 NVFP4_GEMV_TILES = [(32, 256), (64, 256), (128, 256)]
+# the NVFP4 GEMV of 2 to 8 rows (`_gemv_nvfp4_rows_kernel`): rows per program x K per step
+NVFP4_ROWS_TILES = [(16, 256), (32, 256), (64, 256), (32, 128)]
 # FP8 on the dot path, each in bf16 and in fp16 (x's pass, `F16_DOT_MIN_ELEMENTS`)
 FP8_DOT_TILES = [(64, 128), (64, 256), (128, 64), (128, 128)]
 
@@ -125,6 +127,12 @@ def main() -> int:
                     for p, xp in itertools.product(plans, (False, True)):
                         run(p, xp)
                     grid = []
+                elif fname == "nvfp4" and m <= linear_nvfp4.GEMV_MAX_ROWS:   # the GEMV of several rows
+                    bm = 1 << (m - 1).bit_length()
+                    grid = [make_plan(m, n, k, bn, bk, block_m=bm, num_warps=nw, num_stages=st)
+                            for (bn, bk), nw, st in itertools.product(NVFP4_ROWS_TILES, (2, 4, 8), (1, 2))
+                            if bk <= k]
+                    grid.append(plan_for(m, n, k, True, TILES_NVFP4))    # the tensor cores' plan, in the same run
                 elif fname == "nvfp4":                 # tensor cores
                     grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=st, swap_ab=bn >= 64)
                             for (bn, bk), nw, st in itertools.product(NVFP4_TILES, (4, 8), (2, 3)) if bk <= k]
@@ -146,7 +154,7 @@ def main() -> int:
                     for st in ((1, 4) if d["block_m"] > 1 and fname != "nvfp4" else ()):   # NVFP4: in the grid
                         run(make_plan(m, n, k, d["block_n"], d["block_k"], block_m=d["block_m"],
                                       num_warps=d["num_warps"], num_stages=st, swap_ab=d["swap_ab"]))
-                    if d["block_m"] > 1 and not d["swap_ab"]:
+                    if d["block_m"] >= 16 and not d["swap_ab"]:
                         run(make_plan(m, n, k, d["block_n"], d["block_k"], block_m=d["block_m"],
                                       num_warps=d["num_warps"], num_stages=d["num_stages"], swap_ab=True))
                     if n <= 16384:

@@ -28,6 +28,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
     _linear_nvfp4_native,
     _linear_nvfp4_supports,
     TILES_NVFP4,
+    default_plan,
     linear_nvfp4,
     linear_nvfp4_triton,
     uses_f16_gemv,
@@ -58,7 +59,7 @@ def check(x, weight, scale, scale_2, **kwargs) -> None:
     out = torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device)
     linear_nvfp4_triton(x, weight, scale, scale_2, out=out, **kwargs)
     abs_sum = x.float().abs() @ dequantize_nvfp4(weight, scale, scale_2).abs().T
-    plan = kwargs.get("plan") or plan_for(m, n, x.shape[1], kwargs.get("split_k", False), TILES_NVFP4)
+    plan = kwargs.get("plan") or default_plan(x, n, x.shape[1], kwargs.get("split_k", False))
     f16_sums = uses_f16_gemv(x, plan)
     assert_matches(out, _linear_nvfp4_native(x, weight, scale, scale_2), abs_sum,
                    sum_rtol=F16_SUM_RTOL if f16_sums else SUM_RTOL)
@@ -155,19 +156,24 @@ def x_pass_reference(x: torch.Tensor, k_per_split: int) -> tuple[torch.Tensor, t
 
 @pytest.mark.parametrize("x_scale", [1.0, 2.0**-100, 2.0**100], ids=lambda v: f"{v:g}")
 def test_x_pass_scales_and_pairs_x(x_scale):
-    """The x pass, launched alone on x [48] in slices of 32 (a partial last one), into buffers poisoned with
-    -1: each slice's exponent and its pairs bit for bit (the scaling is exact, the fp16 rounding of a bf16
-    value times a power of two in fp16's normal range too). x stays clear of bf16's subnormals, which the
-    interpreter does not load exactly (the GEMV tests above take x down to 2^-120 against the reference)."""
+    """The x pass, launched alone on x [2, 48] (rows read with a stride of 64) in slices of 32 (a partial
+    last one), into buffers poisoned with -1: each row's slices' exponents and its pairs bit for bit (the
+    scaling is exact, the fp16 rounding of a bf16 value times a power of two in fp16's normal range too).
+    The second row is 2^20 times further from 1. x stays clear of bf16's subnormals, which the interpreter does not
+    load exactly (the GEMV tests above take x down to 2^-120 against the reference)."""
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(48, generator=gen) * x_scale).to(torch.bfloat16)
-    x[40] = 0.0
-    pairs = torch.full((24,), -1, dtype=torch.int32)
-    exps = torch.full((2,), -1, dtype=torch.int32)
-    linear_nvfp4_module._x_f16_pairs_kernel[(2,)](x, pairs, exps, 48, 32, 1, BLOCK=16, USE_ASM=False)
-    want_exps, want_pairs = x_pass_reference(x, 32)
-    assert torch.equal(exps, want_exps)
-    assert torch.equal(pairs, want_pairs)
+    second = 2.0**20 if x_scale < 1 else 2.0**-20
+    x = (torch.randn(2, 64, generator=gen) * x_scale * torch.tensor([[1.0], [second]])).to(torch.bfloat16)
+    x[0, 40] = 0.0
+    x = x[:, :48]
+    pairs = torch.full((2, 24), -1, dtype=torch.int32)
+    exps = torch.full((2, 2), -1, dtype=torch.int32)
+    linear_nvfp4_module._x_f16_pairs_kernel[(2, 2)](x, pairs, exps, 48, 32, x.stride(0), 1, BLOCK=16,
+                                                    USE_ASM=False)
+    for row in range(2):
+        want_exps, want_pairs = x_pass_reference(x[row], 32)
+        assert torch.equal(exps[row], want_exps)
+        assert torch.equal(pairs[row], want_pairs)
 
 
 @pytest.mark.parametrize("stages", [1, 2])
@@ -192,6 +198,43 @@ def test_gemv_f16_sums_scale_x_by_a_power_of_two(x_scale, x_pass):
     with ops.use_backend("triton"):
         check((x.float() * x_scale).to(torch.bfloat16), *w,
               plan=make_plan(1, 33, 256, block_n=16, block_k=64, block_m=1))
+
+
+@pytest.mark.parametrize("m", [2, 3, 8])
+@pytest.mark.parametrize("dtype,n,k", [(torch.bfloat16, 33, 208), (torch.float16, 7, 192)], ids=str)
+def test_gemv_rows_matches_reference(dtype, n, k, m):
+    """2 <= M <= 8 rows of 16-bit x on the GEMV of several rows (block_m M rounded up to a power of two or
+    8): single-block K steps, then steps of 32 in three slices with and without look-ahead; a partial last K
+    step (208) and none (192); bf16 rows 2^120 apart in size, each scaled by its own power of two."""
+    x, *w = make_inputs(m, n, k, dtype, seed=m + n)
+    if dtype == torch.bfloat16:                                      # fp16 holds no 2^60
+        x = (x.float() * torch.exp2(torch.tensor([60.0, -60.0] * 4)[:m, None])).to(dtype)
+    bm = 1 << (m - 1).bit_length()
+    with ops.use_backend("triton"):
+        check(x, *w, plan=make_plan(m, n, k, block_n=8, block_k=16, block_m=bm))
+        for stages in (1, 2):
+            check(x, *w, plan=make_plan(m, n, k, block_n=16, block_k=32, splits=3, block_m=8, num_stages=stages))
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_gemv_rows_equal_the_m1_gemv_row_by_row(splits):
+    """Each row's result on the GEMV of several rows is the M = 1 GEMV's on that row alone, bit for bit."""
+    x, *w = make_inputs(5, 40, 256, torch.bfloat16, seed=splits)
+    plan = make_plan(5, 40, 256, block_n=16, block_k=64, splits=splits, block_m=8, num_stages=2)
+    one = make_plan(1, 40, 256, block_n=16, block_k=64, splits=splits, block_m=1, num_stages=2)
+    with ops.use_backend("triton"):
+        rows = linear_nvfp4_triton(x, *w, plan=plan)
+        for r in range(5):
+            assert torch.equal(rows[r:r + 1], linear_nvfp4_triton(x[r:r + 1], *w, plan=one)), r
+
+
+def test_planned_gemv_rows():
+    """16-bit x of up to GEMV_MAX_ROWS rows plans the GEMV of several rows (block_m M rounded up to a power
+    of two); fp32 x, and more rows, the tensor cores."""
+    assert linear_nvfp4_module.GEMV_MAX_ROWS == 8
+    for m, dtype, block_m in ((2, torch.bfloat16, 2), (3, torch.float16, 4), (8, torch.bfloat16, 8),
+                              (9, torch.bfloat16, 16), (3, torch.float32, 16)):
+        assert default_plan(torch.empty(m, 2048, dtype=dtype), 151936, 2048, True).block_m == block_m, (m, dtype)
 
 
 def test_op_dispatch_and_fallback(monkeypatch):
@@ -236,10 +279,16 @@ def test_planned_nvfp4_tiles():
     assert (gemv.block_m, gemv.block_n, gemv.swap_ab) == (1, 64, False)
 
 
-def test_plan_block_m_must_be_a_gemv_or_a_dot():
-    x, *w = make_inputs(4, 7, 32, torch.float32)
-    with ops.use_backend("triton"), pytest.raises(ValueError, match="block_m = 4"):
-        linear_nvfp4_triton(x, *w, plan=make_plan(4, 7, 32, block_n=8, block_k=32, block_m=4))
+@pytest.mark.parametrize("m,dtype,block_m", [(4, torch.float32, 4), (3, torch.bfloat16, 2), (2, torch.bfloat16, 1),
+                                             (17, torch.bfloat16, 16), (9, torch.bfloat16, 8)])
+def test_plan_block_m_must_be_a_gemv_or_a_dot(m, dtype, block_m):
+    """A plan of fewer rows than x has, or of several GEMV rows for fp32 x, is refused (naming block_m and
+    M) and writes nothing."""
+    x, *w = make_inputs(m, 7, 32, dtype)
+    out = torch.full((m, 7), float("nan"), dtype=dtype)
+    with ops.use_backend("triton"), pytest.raises(ValueError, match=f"block_m = {block_m} for M = {m}"):
+        linear_nvfp4_triton(x, *w, out=out, plan=make_plan(m, 7, 32, block_n=8, block_k=32, block_m=block_m))
+    assert out.isnan().all()
 
 
 def test_weight_rows_must_start_on_words():
@@ -283,8 +332,25 @@ def test_gpu_x_pass(n, k, splits, x_scale, x_pass):
     exps_pairs = x_pass_reference(x[0].cpu(), k)                  # what the pass writes, one slice
     pairs = torch.full((k // 2,), -1, dtype=torch.int32, device="cuda")
     exps = torch.full((1,), -1, dtype=torch.int32, device="cuda")
-    linear_nvfp4_module._x_f16_pairs_kernel[(1,)](x, pairs, exps, k, k, 1, BLOCK=512, USE_ASM=True)
+    linear_nvfp4_module._x_f16_pairs_kernel[(1, 1)](x, pairs, exps, k, k, k, 1, BLOCK=512, USE_ASM=True)
     assert torch.equal(exps.cpu(), exps_pairs[0]) and torch.equal(pairs.cpu(), exps_pairs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [2, 5, 8])
+@pytest.mark.parametrize("n,k,splits,stages", [(4096, 2048, 1, 2), (1000, 4112, 3, 2), (4096, 2048, 2, 1)])
+def test_gpu_rows(m, n, k, splits, stages):
+    """The GEMV of several rows, compiled: against the reference with rows 2^120 apart, and row by row equal
+    to the M = 1 GEMV bit for bit."""
+    x, *w = make_inputs(m, n, k, torch.bfloat16, seed=m, device="cuda")
+    x = (x.float() * torch.exp2(torch.tensor([60.0, -60.0] * 4, device="cuda")[:m, None])).to(torch.bfloat16)
+    plan = make_plan(m, n, k, block_n=64, block_k=256, splits=splits, block_m=8, num_stages=stages)
+    check(x, *w, plan=plan)
+    rows = linear_nvfp4_triton(x, *w, plan=plan)
+    one = make_plan(1, n, k, block_n=64, block_k=256, splits=splits, block_m=1, num_stages=stages)
+    for r in range(m):
+        assert torch.equal(rows[r:r + 1], linear_nvfp4_triton(x[r:r + 1], *w, plan=one)), r
 
 
 @pytest.mark.gpu
