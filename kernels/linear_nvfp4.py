@@ -14,7 +14,8 @@ read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j 
   the block's sum |x||w|: see the tests); each block's sum times its scale is added in fp32. Its K loop:
   2.73 sm_90 instructions per element at its tile with x's pass and the next step's words and scales
   loaded ahead, 3.12 converting x itself with its pairs loaded ahead too (the fp32 kernel below: 5.4).
-- 2 <= M <= 8 with bf16 / fp16 x (`_gemv_nvfp4_rows_kernel`, `GEMV_MAX_ROWS`), CUDA cores: x's pass scales
+- 2 <= M <= 8 with bf16 / fp16 x (`_gemv_nvfp4_rows_kernel`; the planner's for M <= GEMV_MAX_ROWS on the
+  LM heads), CUDA cores: x's pass scales
   and pairs each row (its own power of two), each block's words are decoded to fp16 pairs once for all the
   rows (`_block_f16x2`) and each row adds only its fmas (`_block_sum_f16x2`); row m equals the M = 1
   kernel on x[m] bit for bit.
@@ -22,8 +23,8 @@ read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j 
   `_e2m1_words_to_e4m3` turns a word into two words of E4M3 bytes the same way, the hardware widens them to
   fp32 through fp16 (the interpreter, which has no inline asm, decodes the same bits through fp16), each
   16-element block's sum times its scale once.
-- 1 <= M <= 32 (`_gemm_nvfp4_kernel`, the planner uses it above GEMV_MAX_ROWS, and from M = 2 for fp32
-  x), tensor cores: `_e2m1x8_scaled`
+- 1 <= M <= 32 (`_gemm_nvfp4_kernel`, the planner's from M = 2 wherever the GEMV of several rows does
+  not run), tensor cores: `_e2m1x8_scaled`
   builds bf16 pairs from the word with two shifts and masks a pair (elements i and i + 4, whose nibbles
   lie 16 bits apart), each the E2M1 value times 2^-126, and one bf16x2 multiply by the block scale times
   2^118 makes them E2M1 * scale * 2^-8, exact; the dot takes them in that order (0, 4, 1, 5, 2, 6, 3, 7
@@ -35,6 +36,8 @@ E4M3 0x7f/0xff (NaN) decodes to +-480, not NaN: the quantizer never stores it an
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -714,9 +717,15 @@ def _gemm_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, 
 # 4 rows a program, 7.5 us against 5.6; 512 x 2048 at 1 row, 4.7 against 3.3).
 F16_GEMV_MIN_ROWS = 16
 
-# 16-bit x of up to this many rows runs the GEMV of several rows (`_gemv_nvfp4_rows_kernel`) rather than the
-# tensor cores: its decode serves every row, and each row adds 0.75 instructions an element.
-GEMV_MAX_ROWS = 8
+# 16-bit x of up to GEMV_MAX_ROWS rows times a weight of GEMV_ROWS_MIN_ELEMENTS or more (the LM heads) runs
+# the GEMV of several rows (`_gemv_nvfp4_rows_kernel`) rather than the tensor cores, whose kernel pads M to
+# 16 and is bound by its shared-memory round trip. H200, 151936 x 2048 (BENCHMARKS.md, 2026-12-03 sixth
+# run): M = 2 63.1 us and M = 4 88.3 against 115.1 and 115.7 on the tensor cores; M = 8 150.8 against 116.7.
+# On 8192 x 2048 (2^24) the tensor cores stay ahead from M = 4 (11.2 us against 13.1): x's pass is one more
+# launch there, on a call that short.
+GEMV_MAX_ROWS = 4
+GEMV_ROWS_MIN_ELEMENTS = 1 << 26
+ROWS_KERNEL_MAX = 8                          # what the kernel takes (explicit plans: tests, sweeps)
 
 
 def uses_f16_gemv(x: torch.Tensor, plan: GemvPlan) -> bool:
@@ -738,10 +747,12 @@ def uses_x_pass(n: int, k: int) -> bool:
 
 
 def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool) -> GemvPlan:
-    """The planner's tiles for x [M, K] times an [n, k] NVFP4 weight (16-bit x of up to GEMV_MAX_ROWS rows
-    as a GEMV)."""
-    return plan_for(x.shape[0], n, k, split_k, TILES_NVFP4,
-                    GEMV_MAX_ROWS if x.dtype in (torch.bfloat16, torch.float16) else 1)
+    """The planner's tiles for x [M, K] times an [n, k] NVFP4 weight: 16-bit x of up to GEMV_MAX_ROWS rows
+    on a large weight as the GEMV of several rows, without look-ahead (its registers go to the rows' sums:
+    151936 x 2048, M = 4, 64 x 256 tiles: 88.5 us, 96.2 loading one step ahead)."""
+    rows = x.dtype in (torch.bfloat16, torch.float16) and n * k >= GEMV_ROWS_MIN_ELEMENTS
+    plan = plan_for(x.shape[0], n, k, split_k, TILES_NVFP4, GEMV_MAX_ROWS if rows else 1)
+    return dataclasses.replace(plan, num_stages=1) if 1 < plan.block_m < 16 else plan
 
 
 def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -770,10 +781,10 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         raise ValueError(f"plan: block_k = {plan.block_k}; NVFP4 tiles hold whole 16-element blocks (block_k a "
                          "multiple of 16, at least 32 on the tl.dot path, where a dot takes K >= 16): use one of "
                          "those")
-    if plan.block_m < m or (1 < plan.block_m < 16 and (not x16 or plan.block_m > GEMV_MAX_ROWS)):
+    if plan.block_m < m or (1 < plan.block_m < 16 and (not x16 or plan.block_m > ROWS_KERNEL_MAX)):
         raise ValueError(f"plan: block_m = {plan.block_m} for M = {m} rows of {x.dtype} x; NVFP4 runs M as a GEMV "
-                         f"(block_m 1 for M = 1; 2, 4 or 8, at least M, for up to {GEMV_MAX_ROWS} rows of bf16 or "
-                         "fp16 x) or on the tensor cores (block_m 16 or 32, at least M): use one of those")
+                         f"(block_m 1 for M = 1; 2, 4 or 8, at least M, for up to {ROWS_KERNEL_MAX} rows of bf16 "
+                         "or fp16 x) or on the tensor cores (block_m 16 or 32, at least M): use one of those")
     part = partial_buffer(plan, m, n, x)
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
