@@ -453,6 +453,15 @@ def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xm, st
 
 
 @triton.jit
+def _gemv_rows(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N: tl.constexpr):
+    """The weight rows of this program of the fp16-sum GEMVs: their indices [BN], which lie inside N, and the
+    pointers to their words and scale bytes [BN, 1] (rows past N read row N - 1, stored nowhere)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n64 = tl.minimum(offs_n, N - 1).to(tl.int64)
+    return offs_n, offs_n < N, w_ptr + n64[:, None] * stride_wn, s_ptr + n64[:, None] * stride_sn
+
+
+@triton.jit
 def _undo_scaling(acc, e):
     """A row's sums of blocks (each E2M1 * 2^-6 times x * 2^e) times 2^(6 - e), in two exact steps: 2^(6 - e)
     can leave fp32's normal range."""
@@ -473,15 +482,10 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
     hardware widenings, 4 fp16x2 fmas), the block's two halves times its scale added in fp32, and 2^(6 - e)
     and `weight_scale_2` multiply the row's sum. Rows past N read row N - 1 (stored nowhere)."""
     NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # [BN]
-    mask_n = offs_n < N
-    n64 = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_n, mask_n, w_rows, s_rows = _gemv_rows(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    w_rows = w_ptr + n64[:, None] * stride_wn                        # [BN, 1]
-    s_rows = s_ptr + n64[:, None] * stride_sn
     if AHEAD:   # the first step's words in flight during the scan of x (or the load of e) below
         wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
     if X_PAIRS:   # x's pass (`_x_f16_pairs_kernel`) found e and wrote the scaled pairs
@@ -532,14 +536,9 @@ def _gemv_nvfp4_rows_kernel(pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, p
     are decoded to fp16 pairs once (`_block_f16x2`) and serve every row (`_block_sum_f16x2`), so a row costs
     its fmas, not its decode. Row m's result is the M = 1 kernel's for x[m], bit for bit."""
     NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # [BN]
-    mask_n = offs_n < N
-    n64 = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_n, mask_n, w_rows, s_rows = _gemv_rows(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N)
     k_start = pid_k * k_per_split
-    w_rows = w_ptr + n64[:, None] * stride_wn                        # [BN, 1]
-    s_rows = s_ptr + n64[:, None] * stride_sn
     if AHEAD:
         wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
     accs = ()

@@ -127,7 +127,7 @@ def main() -> int:
                     for p, xp in itertools.product(plans, (False, True)):
                         run(p, xp)
                     grid = []
-                elif fname == "nvfp4" and m <= linear_nvfp4.GEMV_MAX_ROWS:   # the GEMV of several rows
+                elif fname == "nvfp4" and m <= linear_nvfp4.ROWS_KERNEL_MAX:   # the GEMV of several rows
                     bm = 1 << (m - 1).bit_length()
                     grid = [make_plan(m, n, k, bn, bk, block_m=bm, num_warps=nw, num_stages=st)
                             for (bn, bk), nw, st in itertools.product(NVFP4_ROWS_TILES, (2, 4, 8), (1, 2))

@@ -159,8 +159,8 @@ def test_x_pass_scales_and_pairs_x(x_scale):
     """The x pass, launched alone on x [2, 48] (rows read with a stride of 64) in slices of 32 (a partial
     last one), into buffers poisoned with -1: each row's slices' exponents and its pairs bit for bit (the
     scaling is exact, the fp16 rounding of a bf16 value times a power of two in fp16's normal range too).
-    The second row is 2^20 times further from 1. x stays clear of bf16's subnormals, which the interpreter does not
-    load exactly (the GEMV tests above take x down to 2^-120 against the reference)."""
+    The second row is 2^20 times further from 1. x stays clear of bf16's subnormals, which the interpreter
+    does not load exactly (the GEMV tests above take x down to 2^-120 against the reference)."""
     gen = torch.Generator().manual_seed(3)
     second = 2.0**20 if x_scale < 1 else 2.0**-20
     x = (torch.randn(2, 64, generator=gen) * x_scale * torch.tensor([[1.0], [second]])).to(torch.bfloat16)
