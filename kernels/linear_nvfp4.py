@@ -51,6 +51,7 @@ from mtpfactory.kernels.linear import (
     dot_result,
     dot_zeros,
     lowp_dot,
+    make_plan,
     partial_buffer,
     plan_for,
     splitk_reduce,
@@ -75,7 +76,8 @@ linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native)
 # From the H200 sweeps (scripts/tune_gemv.py). M = 1, 2026-12-03: the fp16-sum GEMV at (64, 256), 4 warps,
 # one step ahead: 151936 x 2048 58.9 us, 154880 x 4096 122.8 (128 x 256: 58.6 / 134.4; 32 x 256: 64.5 /
 # 121.8; 2 warps 58.1 / 130.5; 8 warps slower); looking ahead at the words only, not x: 61.4 / 115.1. The
-# fp32 GEMV it replaces for 16-bit x: 76.5 / 146.8.
+# fp32 GEMV it replaces for 16-bit x: 76.5 / 146.8. Those were before x's pass; with it, the LM heads take
+# `LM_HEAD_GEMV_TILE`.
 # The tensor-core kernel, 2026-12-03: 64-row tiles, the decoded tile the dot's first operand, K steps of
 # 256, loads one step ahead (151936 x 2048: 119.7 us at M = 8, 137.8 at M = 32; 128-row or shorter-K tiles
 # 130-148 us); weights with fewer than 128 such tiles narrow to 32 and 16 rows and split K (8192 x 2048,
@@ -745,13 +747,27 @@ def uses_x_pass(n: int, k: int) -> bool:
     return n * k >= X_PASS_MIN_ELEMENTS
 
 
+# M = 1 with 16-bit x on the weights x's pass serves (the LM heads): (BLOCK_N, BLOCK_K, warps). The same K
+# loop as TILES_NVFP4's 64 x 256 with 4 warps (2.73 instructions an element, 96 registers), half the rows a
+# program: ahead in every H200 sweep of both (151936 x 2048: 50.1-50.2 us against 50.9-51.0 in three
+# processes, and 56.2 against 56.9 a run before; 154880 x 4096: 106.7 against 106.8).
+LM_HEAD_GEMV_TILE = (32, 256, 2)
+
+
 def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool) -> GemvPlan:
     """The planner's tiles for x [M, K] times an [n, k] NVFP4 weight: 16-bit x of up to GEMV_MAX_ROWS rows
     on a large weight as the GEMV of several rows, without look-ahead (its registers go to the rows' sums:
-    151936 x 2048, M = 4, 64 x 256 tiles: 88.5 us, 96.2 loading one step ahead)."""
-    rows = x.dtype in (torch.bfloat16, torch.float16) and n * k >= GEMV_ROWS_MIN_ELEMENTS
+    151936 x 2048, M = 4, 64 x 256 tiles: 88.5 us, 96.2 loading one step ahead); one row of it on
+    `LM_HEAD_GEMV_TILE`."""
+    x16 = x.dtype in (torch.bfloat16, torch.float16)
+    rows = x16 and n * k >= GEMV_ROWS_MIN_ELEMENTS
     plan = plan_for(x.shape[0], n, k, split_k, TILES_NVFP4, GEMV_MAX_ROWS if rows else 1)
-    return dataclasses.replace(plan, num_stages=1) if 1 < plan.block_m < 16 else plan
+    if 1 < plan.block_m < 16:
+        return dataclasses.replace(plan, num_stages=1)
+    if plan.block_m == 1 and x16 and uses_x_pass(n, k):
+        block_n, block_k, warps = LM_HEAD_GEMV_TILE
+        return make_plan(1, n, k, block_n, block_k, splits=plan.splits, block_m=1, num_warps=warps, num_stages=2)
+    return plan
 
 
 def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

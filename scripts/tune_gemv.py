@@ -114,7 +114,7 @@ def main() -> int:
                 if fname == "nvfp4" and m == 1:        # the GEMV, x's pass off and on
                     plans = [make_plan(m, n, k, bn, bk, block_m=1, num_warps=nw, num_stages=2)
                              for (bn, bk), nw in itertools.product(NVFP4_GEMV_TILES, (2, 4)) if bk <= k]
-                    shipped = plan_for(m, n, k, True, TILES_NVFP4)        # the shipped plan, in the same run
+                    shipped = linear_nvfp4.default_plan(x, n, k, True)   # the shipped plan, in the same run
                     plans += [shipped] if shipped not in plans else []
                     for p, xp in itertools.product(plans, (False, True)):
                         run(p, xp)

@@ -239,7 +239,7 @@ def test_planned_gemv_rows():
                                       (1, torch.bfloat16, lm_head, 1)):
         plan = default_plan(torch.empty(m, k, dtype=dtype), n, k, True)
         assert plan.block_m == block_m, (m, dtype, n)
-        assert plan.num_stages == (1 if 1 < block_m < 16 else 3 if block_m == 1 else 2), (m, dtype, n)
+        assert plan.num_stages == (1 if 1 < block_m < 16 else 2), (m, dtype, n)
 
 
 def test_op_dispatch_and_fallback(monkeypatch):
@@ -282,6 +282,10 @@ def test_planned_nvfp4_tiles():
     assert (fc.block_m, fc.block_n, fc.swap_ab, fc.splits, fc.num_stages) == (16, 16, False, 2, 2)
     gemv = plan_for(1, 151936, 2048, True, TILES_NVFP4)
     assert (gemv.block_m, gemv.block_n, gemv.swap_ab) == (1, 64, False)
+    head = default_plan(torch.empty(1, 2048, dtype=torch.bfloat16), 151936, 2048, True)   # x's pass: 32 rows
+    assert (head.block_m, head.block_n, head.block_k, head.num_warps, head.num_stages, head.splits) == (
+        1, 32, 256, 2, 2, 1)
+    assert default_plan(torch.empty(1, 2048), 151936, 2048, True) == gemv                  # fp32 x: the table
 
 
 @pytest.mark.parametrize("m,dtype,block_m", [(4, torch.float32, 4), (3, torch.bfloat16, 2), (2, torch.bfloat16, 1),
