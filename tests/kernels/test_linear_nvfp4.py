@@ -332,12 +332,14 @@ def test_gpu_matches_reference(dtype, m, n, k, split_k):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k,splits", [(4096, 2048, 1), (4096, 2048, 3), (1000, 4112, 2)])
 @pytest.mark.parametrize("x_scale", [1.0, 2.0**-100, 2.0**100], ids=lambda v: f"{v:g}")
-def test_gpu_x_pass(n, k, splits, x_scale, x_pass):
+@pytest.mark.parametrize("block_n,warps", [(64, 4), (32, 2)])       # TILES_NVFP4's, LM_HEAD_GEMV_TILE's
+def test_gpu_x_pass(n, k, splits, x_scale, block_n, warps, x_pass):
     """The 16-bit-x GEMV with x paired in its programs and by x's own pass, compiled: whole and partial K
     steps, in one slice or several, x of any size."""
     x, *w = make_inputs(1, n, k, torch.bfloat16, seed=splits, device="cuda")
     x = (x.float() * x_scale).to(torch.bfloat16)
-    check(x, *w, plan=make_plan(1, n, k, block_n=64, block_k=256, splits=splits, block_m=1, num_stages=2))
+    check(x, *w, plan=make_plan(1, n, k, block_n=block_n, block_k=256, splits=splits, block_m=1, num_warps=warps,
+                                num_stages=2))
     exps_pairs = x_pass_reference(x[0].cpu(), k)                  # what the pass writes, one slice
     pairs = torch.full((k // 2,), -1, dtype=torch.int32, device="cuda")
     exps = torch.full((1,), -1, dtype=torch.int32, device="cuda")
