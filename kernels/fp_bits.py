@@ -51,3 +51,17 @@ def e4m3_value(bits):
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     mag = tl.where(e > 0, normal, m.to(tl.float32) * 0.001953125)   # subnormal: m * 2**-9
     return tl.where((bits & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def pow2(e):
+    """2^e as fp32, for int32 e in [-126, 127] (built from its exponent bits)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def times_pow2(v, p):
+    """v * 2^p, exact for p in [-252, 254] where the result is a normal fp32: two steps of half p each, as
+    one power of two can leave fp32's range."""
+    half = p >> 1
+    return v * pow2(half) * pow2(p - half)

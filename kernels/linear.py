@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.ops import Op, triton_can_run
 
 MAX_M = 32
@@ -178,10 +179,8 @@ def _linear_kernel(x_ptr, exp_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K,
                 acc3 += x[:, None, :] * w[None, :, :]                # [BM, BN, BK]
     if USE_DOT:
         acc = dot_result(acc, SWAP_AB)                               # [BM, BN]
-        if X_EXP:   # 2^-exp[m] in two exact steps (one power of two can leave fp32's normal range)
-            e = tl.load(exp_ptr + offs_m, mask=mask_m, other=0)
-            acc = acc * ((127 - (e >> 1)) << 23).to(tl.float32, bitcast=True)[:, None]
-            acc = acc * ((127 - e + (e >> 1)) << 23).to(tl.float32, bitcast=True)[:, None]
+        if X_EXP:   # row m's 2^-exp[m]
+            acc = times_pow2(acc, -tl.load(exp_ptr + offs_m, mask=mask_m, other=0)[:, None])
     elif BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]                          # [1, BN]
     else:
@@ -214,7 +213,7 @@ def _x_f16_rows_kernel(x_ptr, x16_ptr, exp_ptr, K, stride_xm, stride_xk, BLOCK: 
     row = x_ptr + m * stride_xm
     e = x_exponent(row, 0, K, stride_xk, BLOCK)
     tl.store(exp_ptr + m, e)
-    x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    x_scale = pow2(e)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         v = tl.load(row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32) * x_scale

@@ -38,11 +38,13 @@ E4M3 0x7f/0xff (NaN) decodes to +-480, not NaN: the quantizer never stores it an
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.kernels.linear import (
     GemvPlan,
     TileTable,
@@ -443,7 +445,7 @@ def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xm, st
     k_end = tl.minimum(k_start + k_per_split, K)
     e = x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK)
     tl.store(exp_ptr + row * tl.num_programs(0) + pid_k, e)
-    x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    x_scale = pow2(e)
     for w0 in range(k_start // 8, k_end // 8, BLOCK // 8):
         word = w0 + tl.arange(0, BLOCK // 8)
         mask = word < k_end // 8
@@ -461,14 +463,6 @@ def _gemv_rows(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n64 = tl.minimum(offs_n, N - 1).to(tl.int64)
     return offs_n, offs_n < N, w_ptr + n64[:, None] * stride_wn, s_ptr + n64[:, None] * stride_sn
-
-
-@triton.jit
-def _undo_scaling(acc, e):
-    """A row's sums of blocks (each E2M1 * 2^-6 times x * 2^e) times 2^(6 - e), in two exact steps: 2^(6 - e)
-    can leave fp32's normal range."""
-    acc = acc * ((127 + 6 - (e >> 1)) << 23).to(tl.float32, bitcast=True)
-    return acc * ((127 - e + (e >> 1)) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -494,7 +488,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
         e = tl.load(exp_ptr + pid_k)
     else:
         e = x_exponent(x_ptr, k_start, k_end, stride_xk, XBLOCK)
-    x_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    x_scale = pow2(e)
     acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     if AHEAD and not X_PAIRS:
         a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, pairs_ptr, k_start, K, stride_xk, x_scale, BLOCK_K,
@@ -520,7 +514,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
             wv, sb = nxt_w, nxt_s
         elif AHEAD:
             wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = nxt
-    acc = _undo_scaling(tl.sum(acc, axis=1), e)
+    acc = times_pow2(tl.sum(acc, axis=1), 6 - e)       # the decode's 2^-6 and x's 2^e undone
     if SPLIT:
         tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
     else:
@@ -565,7 +559,7 @@ def _gemv_nvfp4_rows_kernel(pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, p
             wv, sb = nxt_w, nxt_s
     s2 = tl.load(s2_ptr)
     for r in tl.static_range(ROWS):
-        acc = _undo_scaling(tl.sum(accs[r], axis=1), tl.load(exp_ptr + r * tl.num_programs(1) + pid_k))
+        acc = times_pow2(tl.sum(accs[r], axis=1), 6 - tl.load(exp_ptr + r * tl.num_programs(1) + pid_k))
         if SPLIT:
             tl.store(part_ptr + (pid_k * ROWS + r) * N + offs_n, acc, mask=mask_n)
         else:
@@ -760,12 +754,20 @@ def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool) -> GemvPlan:
     151936 x 2048, M = 4, 64 x 256 tiles: 88.5 us, 96.2 loading one step ahead); one row of it on
     `LM_HEAD_GEMV_TILE`."""
     x16 = x.dtype in (torch.bfloat16, torch.float16)
-    rows = x16 and n * k >= GEMV_ROWS_MIN_ELEMENTS
-    plan = plan_for(x.shape[0], n, k, split_k, TILES_NVFP4, GEMV_MAX_ROWS if rows else 1)
+    return _default_plan(x.shape[0], n, k, split_k, GEMV_MAX_ROWS if x16 and n * k >= GEMV_ROWS_MIN_ELEMENTS else 1,
+                         LM_HEAD_GEMV_TILE if x16 and uses_x_pass(n, k) else None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _default_plan(m: int, n: int, k: int, split_k: bool, max_gemv_m: int,
+                  one_row_tile: tuple[int, int, int] | None) -> GemvPlan:
+    """`default_plan` from plain values (the module's thresholds read by the caller), cached: it runs on
+    every call."""
+    plan = plan_for(m, n, k, split_k, TILES_NVFP4, max_gemv_m)
     if 1 < plan.block_m < 16:
         return dataclasses.replace(plan, num_stages=1)
-    if plan.block_m == 1 and x16 and uses_x_pass(n, k):
-        block_n, block_k, warps = LM_HEAD_GEMV_TILE
+    if plan.block_m == 1 and one_row_tile:
+        block_n, block_k, warps = one_row_tile
         return make_plan(1, n, k, block_n, block_k, splits=plan.splits, block_m=1, num_warps=warps, num_stages=2)
     return plan
 
