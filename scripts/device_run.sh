@@ -4,7 +4,8 @@
 #   here:   bash ../shared/tools/gpu-wheels.sh --peers      (puts hydra, omegaconf, antlr, gemlite in .whl/)
 #   device: run(command="bash scripts/device_run.sh", carry=[".whl"])
 # GPU_TESTS=0 or BENCH=0 skips a part; GPU_TEST_ARGS picks tests (default: all of tests/); BENCH_ARGS passes
-# options to scripts/bench_kernels.py; TUNE_ARGS, when set, runs scripts/tune_gemv.py with them first.
+# options to scripts/bench_kernels.py; TUNE_ARGS, when set, runs scripts/tune_gemv.py with them first; CLOCK_ARGS,
+# when set, runs scripts/clock_watch.py with them last (its nvidia-smi log goes to $OUT/clocks.csv).
 set -uo pipefail
 OUT=${OUT:-/tmp/mtpf-out}
 mkdir -p "$OUT"
@@ -26,5 +27,8 @@ fi
 if [[ "${BENCH:-1}" == 1 ]]; then
   timeout "${BENCH_S:-420}" python3 -P scripts/bench_kernels.py --json "$OUT/gemv.json" ${BENCH_ARGS:-} 2>&1 |
     tee "$OUT/bench.log"
+fi
+if [[ -n "${CLOCK_ARGS:-}" ]]; then
+  timeout "${CLOCK_S:-240}" python3 -P scripts/clock_watch.py --csv "$OUT/clocks.csv" $CLOCK_ARGS 2>&1 | tee "$OUT/clock.log"
 fi
 exit $rc

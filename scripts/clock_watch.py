@@ -1,0 +1,112 @@
+"""Why the W4A16 M = 1 LM-head GEMV has slow windows: time two plans alternately, round after round, while
+nvidia-smi logs the SM clock, power and throttle reasons every 200 ms, and print each timing beside the clocks
+logged while it ran. A slow timing under a lower SM clock points at the clock; one under the same clock does not.
+
+    python3 scripts/clock_watch.py --csv out/clocks.csv [--rounds 12] [--shape lm_head_qwen]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from mtpfactory.kernels.linear import make_plan
+from mtpfactory.kernels.linear_nvfp4 import default_plan, linear_nvfp4_triton
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_kernels import MIN_CALLS, SHAPES, copy_bandwidth, formats, graph_time_us, weight_bytes  # noqa: E402
+from tune_gemv import time_us  # noqa: E402
+
+QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+def logged(path: str, t0: float, t1: float) -> list[dict]:
+    """nvidia-smi rows whose timestamp lies in [t0, t1] (seconds since the epoch)."""
+    rows = []
+    with open(path) as f:
+        for r in csv.DictReader(f, skipinitialspace=True):
+            try:
+                t = time.mktime(time.strptime(r["timestamp"].split(".")[0], "%Y/%m/%d %H:%M:%S"))
+                t += float("0." + r["timestamp"].split(".")[1]) if "." in r["timestamp"] else 0.0
+            except (KeyError, ValueError):
+                continue
+            if t0 <= t <= t1:
+                rows.append(r)
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """Range of each logged quantity over the rows (header names differ between drivers, so matched by part)."""
+    if not rows:
+        return "no samples"
+
+    def column(part):
+        return next((key for key in rows[0] if part in key), None)
+
+    def span(part):
+        key = column(part)
+        vals = [float(r[key].split()[0]) for r in rows if key and r[key].split() and r[key].split()[0][0].isdigit()]
+        return f"{min(vals):.0f}-{max(vals):.0f}" if vals else "?"
+    reasons = column("reasons")
+    return (f"sm {span('sm')} MHz, mem {span('mem')} MHz, {span('power')} W, {span('temperature')} C, "
+            f"reasons {','.join(sorted({r[reasons] for r in rows})) if reasons else '?'} ({len(rows)} samples)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--csv", required=True)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--shape", default="lm_head_qwen")
+    args = ap.parse_args()
+    n, k = SHAPES[args.shape]
+    copies = max(MIN_CALLS, -(-512 * 2**20 // (n * k * 2)))
+    w = formats(n, k, copies)["nvfp4"]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    shipped = default_plan(x, n, k, False)
+    plans = {"shipped": shipped,
+             "64x256/4w/3": make_plan(1, n, k, 64, 256, splits=shipped.splits, block_m=1, num_warps=4, num_stages=3)}
+    bw = copy_bandwidth()
+    floor_us = weight_bytes(w[0]) / bw * 1e6
+    print(f"{args.shape} {n}x{k}: copy bandwidth {bw / 1e12:.3f} TB/s, floor {floor_us:.1f} us; shipped {shipped}")
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv", "-lms", "200"],
+                           stdout=open(args.csv, "w"), stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    # one cuBLAS BF16 peer per round: a plain stream that the clock hypothesis says should not slow down
+    xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(4, copies // 4))]
+    results = []
+    try:
+        for r in range(args.rounds):
+            for name, plan in plans.items():
+                calls = [lambda t=t, p=plan: linear_nvfp4_triton(x, *t, plan=p) for t in w]
+                t0 = time.time()
+                us = time_us(calls, 200)
+                g_us = graph_time_us(calls)[0]
+                t1 = time.time()
+                results.append((r, name, us, g_us, t0, t1))
+            t0 = time.time()
+            b_us = time_us([lambda t=t: xb @ t.T for t in wb], 200)
+            results.append((r, "cublas bf16", b_us, float("nan"), t0, time.time()))
+    finally:
+        time.sleep(0.5)
+        smi.terminate()
+        smi.wait()
+    bf16_floor = n * k * 2 / bw * 1e6
+    for r, name, us, g_us, t0, t1 in results:
+        floor = bf16_floor if name == "cublas bf16" else floor_us
+        print(f"round {r:2d} {name:12s} {us:7.2f} us ({floor / us:5.1%}) graph {g_us:7.2f} | "
+              f"{summary(logged(args.csv, t0, t1))}")
+    for name in list(plans) + ["cublas bf16"]:
+        v = [us for _, nm, us, *_ in results if nm == name]
+        print(f"{name:12s} median {statistics.median(v):.2f} us, min {min(v):.2f}, max {max(v):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
