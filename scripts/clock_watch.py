@@ -17,7 +17,7 @@ import time
 import torch
 
 from mtpfactory.kernels.linear import make_plan
-from mtpfactory.kernels.linear_nvfp4 import default_plan, linear_nvfp4_triton
+from mtpfactory.kernels.linear_nvfp4 import _x_f16_pairs_kernel, default_plan, linear_nvfp4_triton, x_scan_block
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import MIN_CALLS, SHAPES, copy_bandwidth, formats, graph_time_us, weight_bytes  # noqa: E402
@@ -74,6 +74,13 @@ def main() -> int:
     bw = copy_bandwidth()
     floor_us = weight_bytes(w[0]) / bw * 1e6
     print(f"{args.shape} {n}x{k}: copy bandwidth {bw / 1e12:.3f} TB/s, floor {floor_us:.1f} us; shipped {shipped}")
+    # x's pass alone (the shipped plan's launch of it), to tell its share of the GEMV's time
+    pairs = torch.empty((1, k // 2), dtype=torch.int32, device="cuda")
+    exps = torch.empty((1, shipped.splits), dtype=torch.int32, device="cuda")
+    x_pass = [lambda: _x_f16_pairs_kernel[(shipped.splits, 1)](
+        x, pairs, exps, k, shipped.k_per_split, x.stride(0), x.stride(1), BLOCK=x_scan_block(shipped.k_per_split),
+        USE_ASM=True, num_warps=8)] * MIN_CALLS
+    print(f"x's pass alone: {time_us(x_pass, 200):.2f} us a launch (in a graph of {MIN_CALLS})")
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv", "-lms", "200"],
                            stdout=open(args.csv, "w"), stderr=subprocess.DEVNULL)
     time.sleep(1.0)
