@@ -1,14 +1,17 @@
-"""Why the W4A16 M = 1 LM-head GEMV has slow windows: time two plans alternately, round after round, while
-nvidia-smi logs the SM clock, power and throttle reasons every 200 ms, and print each timing beside the clocks
-logged while it ran. A slow timing under a lower SM clock points at the clock; one under the same clock does not.
+"""Why the W4A16 LM-head GEMV has slow windows: time the planner's plan at each M with the GEMV launched
+beside x's pass (`X_PASS_PDL`) and after it, alternately, round after round, with cuBLAS BF16 as the plain
+stream, while nvidia-smi logs the SM clock, power and clock-event reasons every 200 ms; print each timing
+beside the clocks logged while it ran. A slow timing under a lower SM clock points at the clock; one under the
+same clock does not. (2026-12-03: the power cap, reason 0x4, at 680-700 W, takes the SM clock to 1.5 GHz.)
 
-    python3 scripts/clock_watch.py --csv out/clocks.csv [--rounds 12] [--shape lm_head_qwen]
+    python3 scripts/clock_watch.py --csv out/clocks.csv [--rounds 12] [--shape lm_head_qwen] [--ms 1,2]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import statistics
 import subprocess
 import sys
@@ -16,8 +19,9 @@ import time
 
 import torch
 
-from mtpfactory.kernels.linear import make_plan
 from mtpfactory.kernels.linear_nvfp4 import _x_f16_pairs_kernel, default_plan, linear_nvfp4_triton, x_scan_block
+
+linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Ops
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import MIN_CALLS, SHAPES, copy_bandwidth, formats, graph_time_us, weight_bytes  # noqa: E402
@@ -63,14 +67,16 @@ def main() -> int:
     ap.add_argument("--csv", required=True)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--shape", default="lm_head_qwen")
+    ap.add_argument("--ms", default="1")
     args = ap.parse_args()
     n, k = SHAPES[args.shape]
     copies = max(MIN_CALLS, -(-512 * 2**20 // (n * k * 2)))
     w = formats(n, k, copies)["nvfp4"]
+    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in map(int, args.ms.split(","))}
+    variants = {f"M={m} {'pdl' if pdl else 'no pdl'}": (x, default_plan(x, n, k, False), pdl)
+                for m, x in xs.items() for pdl in (True, False)}
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     shipped = default_plan(x, n, k, False)
-    plans = {"shipped": shipped,
-             "64x256/4w/3": make_plan(1, n, k, 64, 256, splits=shipped.splits, block_m=1, num_warps=4, num_stages=3)}
     bw = copy_bandwidth()
     floor_us = weight_bytes(w[0]) / bw * 1e6
     print(f"{args.shape} {n}x{k}: copy bandwidth {bw / 1e12:.3f} TB/s, floor {floor_us:.1f} us; shipped {shipped}")
@@ -90,13 +96,15 @@ def main() -> int:
     results = []
     try:
         for r in range(args.rounds):
-            for name, plan in plans.items():
-                calls = [lambda t=t, p=plan: linear_nvfp4_triton(x, *t, plan=p) for t in w]
+            for name, (xv, plan, pdl) in variants.items():
+                linear_nvfp4.X_PASS_PDL = pdl     # read at launch: the graphs below capture it
+                calls = [lambda t=t, xv=xv, p=plan: linear_nvfp4_triton(xv, *t, plan=p) for t in w]
                 t0 = time.time()
                 us = time_us(calls, 200)
                 g_us = graph_time_us(calls)[0]
                 t1 = time.time()
                 results.append((r, name, us, g_us, t0, t1))
+            linear_nvfp4.X_PASS_PDL = True
             t0 = time.time()
             b_us = time_us([lambda t=t: xb @ t.T for t in wb], 200)
             results.append((r, "cublas bf16", b_us, float("nan"), t0, time.time()))
@@ -107,11 +115,11 @@ def main() -> int:
     bf16_floor = n * k * 2 / bw * 1e6
     for r, name, us, g_us, t0, t1 in results:
         floor = bf16_floor if name == "cublas bf16" else floor_us
-        print(f"round {r:2d} {name:12s} {us:7.2f} us ({floor / us:5.1%}) graph {g_us:7.2f} | "
+        print(f"round {r:2d} {name:14s} {us:7.2f} us ({floor / us:5.1%}) graph {g_us:7.2f} | "
               f"{summary(logged(args.csv, t0, t1))}")
-    for name in list(plans) + ["cublas bf16"]:
+    for name in list(variants) + ["cublas bf16"]:
         v = [us for _, nm, us, *_ in results if nm == name]
-        print(f"{name:12s} median {statistics.median(v):.2f} us, min {min(v):.2f}, max {max(v):.2f}")
+        print(f"{name:14s} median {statistics.median(v):.2f} us, min {min(v):.2f}, max {max(v):.2f}")
     return 0
 
 
