@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.ops import Op, triton_can_run
@@ -142,10 +143,13 @@ def _linear_kernel(x_ptr, exp_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K,
                    stride_xm, stride_xk, stride_wn, stride_om, stride_on,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    USE_DOT: tl.constexpr, LOWP_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
-                   SPLIT: tl.constexpr, ROW_SCALE: tl.constexpr, X_EXP: tl.constexpr):
+                   SPLIT: tl.constexpr, ROW_SCALE: tl.constexpr, X_EXP: tl.constexpr, PDL: tl.constexpr):
     """out = x @ W^T for a BF16/FP16/FP32 weight, or (ROW_SCALE) an FP8 weight times its per-row scale,
     applied here or, split-K, by the reduce pass. E4M3 values are exact in fp32 and in 16-bit dots. X_EXP
-    (the dot path): x is `_x_f16_rows_kernel`'s fp16 rows, row m times 2^exp[m], undone on the fp32 sums."""
+    (the dot path): x is `_x_f16_rows_kernel`'s fp16 rows, row m times 2^exp[m], undone on the fp32 sums.
+    PDL: launched beside x's pass (`x_pass_pdl`), so it reads x after that pass ends."""
+    if PDL:
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
@@ -205,10 +209,13 @@ def x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _x_f16_rows_kernel(x_ptr, x16_ptr, exp_ptr, K, stride_xm, stride_xk, BLOCK: tl.constexpr):
+def _x_f16_rows_kernel(x_ptr, x16_ptr, exp_ptr, K, stride_xm, stride_xk, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """x's pass for the FP8 dot, one program a row m of x [M, K]: its exponent e (`x_exponent`) to exp[m]
     and x[m] * 2^e in fp16 to x16[m] ([M, K], contiguous). Exact for every x whose magnitude is at least
-    2^-25 of its row's largest (fp16's normal range below the top); the dot's fp32 sums undo 2^e."""
+    2^-25 of its row's largest (fp16's normal range below the top); the dot's fp32 sums undo 2^e. PDL: the
+    dot may launch at once (`x_pass_pdl`)."""
+    if PDL:
+        gdc_launch_dependents()
     m = tl.program_id(0)
     row = x_ptr + m * stride_xm
     e = x_exponent(row, 0, K, stride_xk, BLOCK)
@@ -334,6 +341,16 @@ def splitk_reduce(part: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | N
 # where a bf16 dot needs each element through fp16 and fp32 to bf16 (sm_90: 5.13 instructions an element in
 # the K loop at 32 x 128 x 128, against 3.77). One more launch, so only where the weight is large.
 F16_DOT_MIN_ELEMENTS = 1 << 26
+# On the GPU a kernel after x's pass (this dot, and the NVFP4 GEMVs) is a programmatic dependent launch: its
+# programs start while the pass runs (`gdc_launch_dependents` there, `gdc_wait` before it reads x) instead of
+# after the pass ends. x's pass alone, in a CUDA graph on the H200: 1.73 us a launch (2026-12-03).
+X_PASS_PDL = True
+
+
+def x_pass_pdl(x: torch.Tensor) -> dict:
+    """The launch options of a kernel that follows x's pass: a programmatic dependent launch on the GPU while
+    `X_PASS_PDL` is set (the kernel then calls `gdc_wait` before it reads the pass's output)."""
+    return {"launch_pdl": True} if x.is_cuda and X_PASS_PDL else {}
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,
@@ -353,17 +370,19 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     plan = plan or plan_for(m, n, k, split_k, TILES_FP8 if scaled else TILES_16BIT)
     part = partial_buffer(plan, m, n, x)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
-    x_op, exps = x, out
+    x_op, exps, launch = x, out, {}
     if scaled and plan.use_dot and x.dtype == torch.bfloat16 and n * k >= F16_DOT_MIN_ELEMENTS:
         x_op = torch.empty((m, k), dtype=torch.float16, device=x.device)
         exps = torch.empty(m, dtype=torch.int32, device=x.device)
-        _x_f16_rows_kernel[(m,)](x, x_op, exps, k, x.stride(0), x.stride(1), BLOCK=x_scan_block(k), num_warps=8)
+        launch = x_pass_pdl(x)
+        _x_f16_rows_kernel[(m,)](x, x_op, exps, k, x.stride(0), x.stride(1), BLOCK=x_scan_block(k),
+                                 PDL=bool(launch), num_warps=8)
     _linear_kernel[grid](
         x_op, exps, weight, weight_scale if scaled else out, out, part if part is not None else out, m, n, k,
         plan.k_per_split, x_op.stride(0), x_op.stride(1), weight.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, USE_DOT=plan.use_dot,
         LOWP_DOT=lowp_dot(x), SWAP_AB=plan.swap_ab, SPLIT=part is not None, ROW_SCALE=scaled,
-        X_EXP=x_op is not x, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        X_EXP=x_op is not x, PDL=bool(launch), num_warps=plan.num_warps, num_stages=plan.num_stages, **launch)
     if part is not None:
         splitk_reduce(part, out, weight_scale, scale_mode=1 if scaled else 0)
     return out

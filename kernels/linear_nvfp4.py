@@ -61,6 +61,7 @@ from mtpfactory.kernels.linear import (
     store_tile,
     supports_small_m,
     x_exponent,
+    x_pass_pdl,
     x_scan_block,
 )
 from mtpfactory.ops import Op, triton_can_run
@@ -437,7 +438,7 @@ def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xm, st
     """The x pass of the 16-bit-x GEMVs, one program a K slice of a row m of x (grid: slices, rows): the
     slice's exponent e (`x_exponent`) to exp_ptr[m, slice] ([M, slices]), and x[m] * 2^e as the fp16 pairs
     the block sums take (`_x_pairs`, word j's four at pairs_ptr[m, 4j .. 4j + 4], [M, K/2]). Once per call
-    instead of in every program of the GEMV. On the GPU it lets the GEMV launch at once (`X_PASS_PDL`)."""
+    instead of in every program of the GEMV. On the GPU it lets the GEMV launch at once (`x_pass_pdl`)."""
     if USE_ASM:
         gdc_launch_dependents()
     pid_k = tl.program_id(0)
@@ -485,7 +486,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
     offs_n, mask_n, w_rows, s_rows = _gemv_rows(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if X_PAIRS and USE_ASM:   # launched beside x's pass (`X_PASS_PDL`): its pairs are read after it ends
+    if X_PAIRS and USE_ASM:   # launched beside x's pass (`x_pass_pdl`): its pairs are read after it ends
         gdc_wait()
     if AHEAD:   # the first step's words in flight during the scan of x (or the load of e) below
         wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
@@ -542,7 +543,7 @@ def _gemv_nvfp4_rows_kernel(pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, p
     k_start = pid_k * k_per_split
     if AHEAD:
         wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
-    if USE_ASM:   # launched beside x's pass (`X_PASS_PDL`): its pairs are read after it ends
+    if USE_ASM:   # launched beside x's pass (`x_pass_pdl`): its pairs are read after it ends
         gdc_wait()
     accs = ()
     for r in tl.static_range(ROWS):
@@ -741,10 +742,6 @@ def uses_f16_gemv(x: torch.Tensor, plan: GemvPlan) -> bool:
 # (`_x_f16_pairs_kernel`) instead of in every program: one more launch, but no scan of x in each program and
 # no conversion of x in its K loop.
 X_PASS_MIN_ELEMENTS = 1 << 26
-# On the GPU the GEMV after x's pass is a programmatic dependent launch: its programs start, and load their first
-# weights, while x's pass runs (`gdc_launch_dependents` there, `gdc_wait` before the GEMV reads the pairs),
-# instead of after it ends.
-X_PASS_PDL = True
 
 
 def uses_x_pass(n: int, k: int) -> bool:
@@ -827,7 +824,7 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
             _x_f16_pairs_kernel[(plan.splits, m)](x, pairs, exps, k, plan.k_per_split, x.stride(0), x.stride(1),
                                                   BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda,
                                                   num_warps=8)
-        pdl = {"launch_pdl": True} if x_pass and x.is_cuda and X_PASS_PDL else {}
+        pdl = x_pass_pdl(x) if x_pass else {}
         if m > 1:
             _gemv_nvfp4_rows_kernel[grid](
                 pairs, exps, words, scale_bits, scale_2, out, part if part is not None else out, n, k,

@@ -1,5 +1,5 @@
 """Why the W4A16 LM-head GEMV has slow windows: time the planner's plan at each M with the GEMV launched
-beside x's pass (`X_PASS_PDL`) and after it, alternately, round after round, with cuBLAS BF16 as the plain
+beside x's pass (`x_pass_pdl`) and after it, alternately, round after round, with cuBLAS BF16 as the plain
 stream, while nvidia-smi logs the SM clock, power and clock-event reasons every 200 ms; print each timing
 beside the clocks logged while it ran. A slow timing under a lower SM clock points at the clock; one under the
 same clock does not. (2026-12-03: the power cap, reason 0x4, at 680-700 W, takes the SM clock to 1.5 GHz.)
@@ -21,7 +21,7 @@ import torch
 
 from mtpfactory.kernels.linear_nvfp4 import _x_f16_pairs_kernel, default_plan, linear_nvfp4_triton, x_scan_block
 
-linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Ops
+linear = importlib.import_module("mtpfactory.kernels.linear")   # the package exports the Ops
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import MIN_CALLS, SHAPES, copy_bandwidth, formats, graph_time_us, weight_bytes  # noqa: E402
@@ -97,14 +97,14 @@ def main() -> int:
     try:
         for r in range(args.rounds):
             for name, (xv, plan, pdl) in variants.items():
-                linear_nvfp4.X_PASS_PDL = pdl     # read at launch: the graphs below capture it
+                linear.X_PASS_PDL = pdl     # read at launch: the graphs below capture it
                 calls = [lambda t=t, xv=xv, p=plan: linear_nvfp4_triton(xv, *t, plan=p) for t in w]
                 t0 = time.time()
                 us = time_us(calls, 200)
                 g_us = graph_time_us(calls)[0]
                 t1 = time.time()
                 results.append((r, name, us, g_us, t0, t1))
-            linear_nvfp4.X_PASS_PDL = True
+            linear.X_PASS_PDL = True
             t0 = time.time()
             b_us = time_us([lambda t=t: xb @ t.T for t in wb], 200)
             results.append((r, "cublas bf16", b_us, float("nan"), t0, time.time()))

@@ -68,7 +68,7 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
              "part_ptr": "*fp32"}
     return (linear._linear_kernel, types,
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, LOWP_DOT=True, SWAP_AB=swap, SPLIT=False,
-                 ROW_SCALE=fmt == "fp8", X_EXP=x_pass))
+                 ROW_SCALE=fmt == "fp8", X_EXP=x_pass, PDL=False))
 
 
 def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> tuple[str, int, int]:

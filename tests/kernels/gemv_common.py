@@ -1,6 +1,9 @@
-"""What the GEMV tests share (test_linear*.py): the tolerance, the poisoned output and the tile plans."""
+"""What the GEMV tests share (test_linear*.py): the tolerance, the poisoned output, the tile plans and the
+check of a kernel launched beside x's pass."""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -46,3 +49,27 @@ def explicit_plans(m: int, n: int, k: int, first_block_k: int = 16, fma_m: bool 
         plans += [make_plan(m, n, k, block_n=8, block_k=16, block_m=bm_fma),
                   make_plan(m, n, k, block_n=16, block_k=32, splits=3, block_m=bm_fma)]
     return plans
+
+
+def assert_pdl_reads_its_own_x(call, xs: list[torch.Tensor], monkeypatch) -> None:
+    """`call(x, out=...)` runs x's pass and then a kernel launched beside it (`x_pass_pdl`): captured back to
+    back for every x of `xs` in one CUDA graph (whose pool hands each call's pass the buffer the last call's
+    kernel read), each output equals the same call launched after the pass, bit for bit, in three replays."""
+    linear_module = importlib.import_module("mtpfactory.kernels.linear")   # the package exports the Op
+    monkeypatch.setattr(linear_module, "X_PASS_PDL", False)
+    expected = [call(x) for x in xs]
+    monkeypatch.setattr(linear_module, "X_PASS_PDL", True)
+    outs = [torch.empty_like(e) for e in expected]
+    for x, out in zip(xs, outs):      # compiled outside the capture
+        call(x, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x, out in zip(xs, outs):
+            call(x, out=out)
+    for _ in range(3):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (out, e) in enumerate(zip(outs, expected)):
+            assert torch.equal(out, e), i

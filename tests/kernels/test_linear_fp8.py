@@ -21,7 +21,7 @@ from mtpfactory.errors import ConfigError
 from mtpfactory.kernels.linear_fp8 import _linear_fp8_native, _linear_fp8_supports, linear_fp8, linear_fp8_triton
 from mtpfactory.ops import Provider
 from mtpfactory.quant import quantize_fp8
-from gemv_common import DTYPES, assert_matches, explicit_plans
+from gemv_common import DTYPES, assert_matches, assert_pdl_reads_its_own_x, explicit_plans
 
 linear_module = importlib.import_module("mtpfactory.kernels.linear")   # the package exports the Op `linear`
 
@@ -98,7 +98,7 @@ def test_x_rows_pass_scales_x():
     x = (torch.randn(4, 40, generator=gen) * torch.tensor([[2.0**-100], [1.0], [2.0**100], [0.0]])).to(torch.bfloat16)
     x16 = torch.full((4, 40), -1.0, dtype=torch.float16)
     exps = torch.full((4,), -1, dtype=torch.int32)
-    linear_module._x_f16_rows_kernel[(4,)](x, x16, exps, 40, x.stride(0), x.stride(1), BLOCK=16)
+    linear_module._x_f16_rows_kernel[(4,)](x, x16, exps, 40, x.stride(0), x.stride(1), BLOCK=16, PDL=False)
     want_exps, want_x16 = x_rows_reference(x)
     assert torch.equal(exps, want_exps)
     assert torch.equal(x16.view(torch.int16), want_x16.view(torch.int16))
@@ -180,7 +180,7 @@ def test_gpu_f16_dot(m, split_k, f16_dot):
     check(x, weight, scale, split_k=split_k)
     x16 = torch.full((m, 2048), -1.0, dtype=torch.float16, device="cuda")
     exps = torch.full((m,), -1, dtype=torch.int32, device="cuda")
-    linear_module._x_f16_rows_kernel[(m,)](x, x16, exps, 2048, x.stride(0), x.stride(1), BLOCK=1024)
+    linear_module._x_f16_rows_kernel[(m,)](x, x16, exps, 2048, x.stride(0), x.stride(1), BLOCK=1024, PDL=False)
     want_exps, want_x16 = x_rows_reference(x.cpu())
     assert torch.equal(exps.cpu(), want_exps) and torch.equal(x16.cpu().view(torch.int16), want_x16.view(torch.int16))
     bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)   # [254]
@@ -189,6 +189,16 @@ def test_gpu_f16_dot(m, split_k, f16_dot):
     eye = torch.eye(16, device="cuda", dtype=torch.bfloat16)
     out = linear_fp8_triton(eye, w8, s8)                                                  # M = 16: the dot
     assert torch.equal(out, (w8.float() * s8[:, None]).T.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [3, 32])
+def test_gpu_pdl_reads_this_calls_x(m, f16_dot, monkeypatch):
+    """The fp16 dot launched beside x's pass (`x_pass_pdl`) reads the fp16 x of its own call."""
+    _, weight, scale = make_inputs(1, 4096, 2048, torch.bfloat16, seed=m, device="cuda")
+    xs = [torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16) * 2.0 ** (8 * (i % 3) - 8) for i in range(12)]
+    assert_pdl_reads_its_own_x(lambda x, out=None: linear_fp8_triton(x, weight, scale, out=out), xs, monkeypatch)
 
 
 @pytest.mark.gpu

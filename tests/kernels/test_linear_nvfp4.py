@@ -35,9 +35,10 @@ from mtpfactory.kernels.linear_nvfp4 import (
 )
 from mtpfactory.ops import Provider
 from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
-from gemv_common import DTYPES, SUM_RTOL, assert_matches, explicit_plans
+from gemv_common import DTYPES, SUM_RTOL, assert_matches, assert_pdl_reads_its_own_x, explicit_plans
 
 linear_nvfp4_module = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Op
+linear_module = importlib.import_module("mtpfactory.kernels.linear")
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
@@ -351,32 +352,15 @@ def test_gpu_x_pass(n, k, splits, x_scale, block_n, warps, x_pass):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 3])
 def test_gpu_pdl_reads_this_calls_pairs(m, monkeypatch):
-    """The GEMV launched beside x's pass (`X_PASS_PDL`) reads the pairs of its own call: 12 calls on different x
-    back to back in one CUDA graph (whose pool hands each call's pass the buffer the last call's GEMV read),
-    each equal bit for bit to the same call launched after x's pass."""
-    monkeypatch.setattr(linear_nvfp4_module, "X_PASS_MIN_ELEMENTS", 0)        # the LM heads' plans
+    """The GEMV launched beside x's pass (`x_pass_pdl`) reads the pairs of its own call (M = 1 and the rows
+    GEMV, on the LM heads' plans)."""
+    monkeypatch.setattr(linear_nvfp4_module, "X_PASS_MIN_ELEMENTS", 0)
     monkeypatch.setattr(linear_nvfp4_module, "GEMV_ROWS_MIN_ELEMENTS", 0)
     n, k = 4096, 2048
     _, *w = make_inputs(1, n, k, torch.bfloat16, seed=m, device="cuda")
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2.0 ** (8 * (i % 3) - 8) for i in range(12)]
-    monkeypatch.setattr(linear_nvfp4_module, "X_PASS_PDL", False)
-    expected = [linear_nvfp4_triton(x, *w) for x in xs]
     assert uses_f16_gemv(xs[0], default_plan(xs[0], n, k, False))
-    monkeypatch.setattr(linear_nvfp4_module, "X_PASS_PDL", True)
-    outs = [torch.empty_like(e) for e in expected]
-    for x, out in zip(xs, outs):      # compile outside the capture
-        linear_nvfp4_triton(x, *w, out=out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x, out in zip(xs, outs):
-            linear_nvfp4_triton(x, *w, out=out)
-    for _ in range(3):
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (out, e) in enumerate(zip(outs, expected)):
-            assert torch.equal(out, e), i
+    assert_pdl_reads_its_own_x(lambda x, out=None: linear_nvfp4_triton(x, *w, out=out), xs, monkeypatch)
 
 
 @pytest.mark.gpu
