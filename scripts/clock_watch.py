@@ -5,6 +5,7 @@ beside the clocks logged while it ran. A slow timing under a lower SM clock poin
 same clock does not. (2026-12-03: the power cap, reason 0x4, at 680-700 W, takes the SM clock to 1.5 GHz.)
 
     python3 scripts/clock_watch.py --csv out/clocks.csv [--rounds 12] [--shape lm_head_qwen] [--ms 1,2]
+        [--formats nvfp4,fp8]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+from mtpfactory.kernels.linear_fp8 import linear_fp8_triton
 from mtpfactory.kernels.linear_nvfp4 import _x_f16_pairs_kernel, default_plan, linear_nvfp4_triton, x_scan_block
 
 linear = importlib.import_module("mtpfactory.kernels.linear")   # the package exports the Ops
@@ -27,6 +29,8 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import MIN_CALLS, SHAPES, copy_bandwidth, formats, graph_time_us, weight_bytes  # noqa: E402
 from tune_gemv import time_us  # noqa: E402
 
+FORMATS = {"nvfp4": lambda x, t: linear_nvfp4_triton(x, *t),
+           "fp8": lambda x, t: linear_fp8_triton(x, *t, split_k=True)}
 QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
@@ -68,18 +72,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--shape", default="lm_head_qwen")
     ap.add_argument("--ms", default="1")
+    ap.add_argument("--formats", default="nvfp4", help="nvfp4 and/or fp8 (W8A16 with the split lever, its default)")
     args = ap.parse_args()
     n, k = SHAPES[args.shape]
     copies = max(MIN_CALLS, -(-512 * 2**20 // (n * k * 2)))
-    w = formats(n, k, copies)["nvfp4"]
+    w = formats(n, k, copies)
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in map(int, args.ms.split(","))}
-    variants = {f"M={m} {'pdl' if pdl else 'no pdl'}": (x, default_plan(x, n, k, False), pdl)
-                for m, x in xs.items() for pdl in (True, False)}
+    variants = {f"{fmt} M={m} {'pdl' if pdl else 'no pdl'}": (fmt, x, pdl)
+                for fmt in args.formats.split(",") for m, x in xs.items() for pdl in (True, False)}
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     shipped = default_plan(x, n, k, False)
     bw = copy_bandwidth()
-    floor_us = weight_bytes(w[0]) / bw * 1e6
-    print(f"{args.shape} {n}x{k}: copy bandwidth {bw / 1e12:.3f} TB/s, floor {floor_us:.1f} us; shipped {shipped}")
+    floor_us = {fmt: weight_bytes(w[fmt][0]) / bw * 1e6 for fmt in ("bf16", "fp8", "nvfp4")}
+    print(f"{args.shape} {n}x{k}: copy bandwidth {bw / 1e12:.3f} TB/s, floors (us) {floor_us}; NVFP4 M = 1 {shipped}")
     # x's pass alone (the shipped plan's launch of it), to tell its share of the GEMV's time
     pairs = torch.empty((1, k // 2), dtype=torch.int32, device="cuda")
     exps = torch.empty((1, shipped.splits), dtype=torch.int32, device="cuda")
@@ -92,13 +97,12 @@ def main() -> int:
     time.sleep(1.0)
     # one cuBLAS BF16 peer per round: a plain stream that the clock hypothesis says should not slow down
     xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(4, copies // 4))]
     results = []
     try:
         for r in range(args.rounds):
-            for name, (xv, plan, pdl) in variants.items():
+            for name, (fmt, xv, pdl) in variants.items():
                 linear.X_PASS_PDL = pdl     # read at launch: the graphs below capture it
-                calls = [lambda t=t, xv=xv, p=plan: linear_nvfp4_triton(xv, *t, plan=p) for t in w]
+                calls = [lambda t=t, xv=xv, f=FORMATS[fmt]: f(xv, t) for t in w[fmt]]
                 t0 = time.time()
                 us = time_us(calls, 200)
                 g_us = graph_time_us(calls)[0]
@@ -106,20 +110,19 @@ def main() -> int:
                 results.append((r, name, us, g_us, t0, t1))
             linear.X_PASS_PDL = True
             t0 = time.time()
-            b_us = time_us([lambda t=t: xb @ t.T for t in wb], 200)
+            b_us = time_us([lambda t=t: xb @ t.T for t in w["bf16"]], 200)
             results.append((r, "cublas bf16", b_us, float("nan"), t0, time.time()))
     finally:
         time.sleep(0.5)
         smi.terminate()
         smi.wait()
-    bf16_floor = n * k * 2 / bw * 1e6
     for r, name, us, g_us, t0, t1 in results:
-        floor = bf16_floor if name == "cublas bf16" else floor_us
-        print(f"round {r:2d} {name:14s} {us:7.2f} us ({floor / us:5.1%}) graph {g_us:7.2f} | "
+        floor = floor_us[name.split()[0].replace("cublas", "bf16")]
+        print(f"round {r:2d} {name:16s} {us:7.2f} us ({floor / us:5.1%}) graph {g_us:7.2f} | "
               f"{summary(logged(args.csv, t0, t1))}")
     for name in list(variants) + ["cublas bf16"]:
         v = [us for _, nm, us, *_ in results if nm == name]
-        print(f"{name:14s} median {statistics.median(v):.2f} us, min {min(v):.2f}, max {max(v):.2f}")
+        print(f"{name:16s} median {statistics.median(v):.2f} us, min {min(v):.2f}, max {max(v):.2f}")
     return 0
 
 
