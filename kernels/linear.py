@@ -349,7 +349,8 @@ X_PASS_PDL = True
 
 def x_pass_pdl(x: torch.Tensor) -> dict:
     """The launch options of a kernel that follows x's pass: a programmatic dependent launch on the GPU while
-    `X_PASS_PDL` is set (the kernel then calls `gdc_wait` before it reads the pass's output)."""
+    `X_PASS_PDL` is set. The kernel calls `gdc_wait` before anything else, so it reads the pass's output only
+    after the pass ends; in a launch without the option `gdc_wait` and `gdc_launch_dependents` do nothing."""
     return {"launch_pdl": True} if x.is_cuda and X_PASS_PDL else {}
 
 

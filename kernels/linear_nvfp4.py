@@ -541,10 +541,10 @@ def _gemv_nvfp4_rows_kernel(pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, p
     pid_k = tl.program_id(1)
     offs_n, mask_n, w_rows, s_rows = _gemv_rows(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N)
     k_start = pid_k * k_per_split
-    if AHEAD:
-        wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
     if USE_ASM:   # launched beside x's pass (`x_pass_pdl`): its pairs are read after it ends
         gdc_wait()
+    if AHEAD:
+        wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
     accs = ()
     for r in tl.static_range(ROWS):
         accs = accs + (tl.zeros([BLOCK_N, NB], dtype=tl.float32),)

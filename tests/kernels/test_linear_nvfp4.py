@@ -38,7 +38,6 @@ from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
 from gemv_common import DTYPES, SUM_RTOL, assert_matches, assert_pdl_reads_its_own_x, explicit_plans
 
 linear_nvfp4_module = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Op
-linear_module = importlib.import_module("mtpfactory.kernels.linear")
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
