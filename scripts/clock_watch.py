@@ -1,11 +1,11 @@
 """Why the W4A16 LM-head GEMV has slow windows: time the planner's plan at each M with the GEMV launched
-beside x's pass (`x_pass_pdl`) and after it, alternately, round after round, with cuBLAS BF16 as the plain
-stream, while nvidia-smi logs the SM clock, power and clock-event reasons every 200 ms; print each timing
-beside the clocks logged while it ran. A slow timing under a lower SM clock points at the clock; one under the
+beside x's pass (`x_pass_pdl`) and after it (--compare alone: the whole call and the GEMV alone, launched
+plainly), alternately, round after round, with cuBLAS BF16 as the plain stream, while nvidia-smi logs the SM
+clock, power and clock-event reasons every 200 ms; print each timing beside the clocks logged while it ran. A slow timing under a lower SM clock points at the clock; one under the
 same clock does not. (2026-12-03: the power cap, reason 0x4, at 680-700 W, takes the SM clock to 1.5 GHz.)
 
     python3 scripts/clock_watch.py --csv out/clocks.csv [--rounds 12] [--shape lm_head_qwen] [--ms 1,2]
-        [--formats nvfp4,fp8]
+        [--formats nvfp4,fp8] [--compare pdl|alone]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from mtpfactory.kernels.linear_fp8 import linear_fp8_triton
 from mtpfactory.kernels.linear_nvfp4 import _x_f16_pairs_kernel, default_plan, linear_nvfp4_triton, x_scan_block
 
 linear = importlib.import_module("mtpfactory.kernels.linear")   # the package exports the Ops
+linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import MIN_CALLS, SHAPES, copy_bandwidth, formats, graph_time_us, weight_bytes  # noqa: E402
@@ -66,6 +67,14 @@ def summary(rows: list[dict]) -> str:
             f"reasons {','.join(sorted({r[reasons] for r in rows})) if reasons else '?'} ({len(rows)} samples)")
 
 
+class _NotLaunched:
+    """Stands in for an x's pass kernel: its launches do nothing, so a call times the kernel after it alone
+    (on whatever its buffers hold: the values do not change the time)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
 def _pairs_swapped(items) -> list:
     """(a, b, c, d, ...) -> (b, a, d, c, ...)."""
     items = list(items)
@@ -79,13 +88,17 @@ def main() -> int:
     ap.add_argument("--shape", default="lm_head_qwen")
     ap.add_argument("--ms", default="1")
     ap.add_argument("--formats", default="nvfp4", help="nvfp4 and/or fp8 (W8A16 with the split lever, its default)")
+    ap.add_argument("--compare", default="pdl", choices=["pdl", "alone"],
+                    help="pdl: each call with and without PDL; alone: the whole call against the kernel after x's "
+                         "pass alone (the pass not launched: what x's pairs written by the kernel before would cost)")
     args = ap.parse_args()
     n, k = SHAPES[args.shape]
     copies = max(MIN_CALLS, -(-512 * 2**20 // (n * k * 2)))
     w = formats(n, k, copies)
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in map(int, args.ms.split(","))}
-    variants = {f"{fmt} M={m} {'pdl' if pdl else 'no pdl'}": (fmt, x, pdl)
-                for fmt in args.formats.split(",") for m, x in xs.items() for pdl in (True, False)}
+    labels = ("pdl", "no pdl") if args.compare == "pdl" else ("whole", "alone")
+    variants = {f"{fmt} M={m} {label}": (fmt, x, label)
+                for fmt in args.formats.split(",") for m, x in xs.items() for label in labels}
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     shipped = default_plan(x, n, k, False)
     bw = copy_bandwidth()
@@ -104,18 +117,23 @@ def main() -> int:
     # one cuBLAS BF16 peer per round: a plain stream that the clock hypothesis says should not slow down
     xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     results = []
+    x_passes = linear_nvfp4._x_f16_pairs_kernel, linear._x_f16_rows_kernel
     try:
         for r in range(args.rounds):
             # each pair in turn order A B, then B A: the one after a heavier launch runs under a lower clock
             # (2026-12-03: up to 3% between identical launches)
-            for name, (fmt, xv, pdl) in (variants.items() if r % 2 == 0 else _pairs_swapped(variants.items())):
-                linear.X_PASS_PDL = pdl     # read at launch: the graphs below capture it
+            for name, (fmt, xv, label) in (variants.items() if r % 2 == 0 else _pairs_swapped(variants.items())):
+                linear.X_PASS_PDL = label in ("pdl", "whole")     # read at launch: the graphs below capture it
+                if label == "alone":
+                    linear_nvfp4._x_f16_pairs_kernel = _NotLaunched()
+                    linear._x_f16_rows_kernel = _NotLaunched()
                 calls = [lambda t=t, xv=xv, f=FORMATS[fmt]: f(xv, t) for t in w[fmt]]
                 t0 = time.time()
                 us = time_us(calls, 200)
                 g_us = graph_time_us(calls)[0]
                 t1 = time.time()
                 results.append((r, name, us, g_us, t0, t1))
+                linear_nvfp4._x_f16_pairs_kernel, linear._x_f16_rows_kernel = x_passes
             linear.X_PASS_PDL = True
             t0 = time.time()
             b_us = time_us([lambda t=t: xb @ t.T for t in w["bf16"]], 200)
