@@ -2,7 +2,8 @@
 beside x's pass (`x_pass_pdl`) and after it (--compare alone: the whole call and the GEMV alone, launched
 plainly), alternately, round after round, with cuBLAS BF16 as the plain stream, while nvidia-smi logs the SM
 clock, power and clock-event reasons every 200 ms; print each timing beside the clocks logged while it ran.
-A slow timing under a lower SM clock points at the clock; one under the same clock does not. (2026-12-03: the power cap, reason 0x4, at 680-700 W, takes the SM clock to 1.5 GHz.)
+A slow timing under a lower SM clock points at the clock; one under the same clock does not. (2026-12-03:
+the power cap, reason 0x4, at 680-700 W, takes the SM clock to 1.5 GHz.)
 
     python3 scripts/clock_watch.py --csv out/clocks.csv [--rounds 12] [--shape lm_head_qwen] [--ms 1,2]
         [--formats nvfp4,fp8] [--compare pdl|alone]
