@@ -348,10 +348,16 @@ X_PASS_PDL = True
 
 
 def x_pass_pdl(x: torch.Tensor) -> dict:
-    """The launch options of a kernel that follows x's pass: a programmatic dependent launch on the GPU while
-    `X_PASS_PDL` is set. The kernel calls `gdc_wait` before anything else, so it reads the pass's output only
-    after the pass ends; in a launch without the option `gdc_wait` and `gdc_launch_dependents` do nothing."""
-    return {"launch_pdl": True} if x.is_cuda and X_PASS_PDL else {}
+    """The launch options of a kernel that follows x's pass: a programmatic dependent launch while
+    `X_PASS_PDL` is set, on a GPU that has it (sm_90 and later: `griddepcontrol` does not assemble before).
+    With them, the pass's kernel is compiled with PDL and calls `gdc_launch_dependents` first, and the kernel
+    after it calls `gdc_wait` before anything else, so it reads the pass's output only after the pass ends."""
+    return {"launch_pdl": True} if x.is_cuda and X_PASS_PDL and _has_pdl(x.device) else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,

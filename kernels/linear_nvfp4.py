@@ -434,12 +434,12 @@ def _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, 
 
 @triton.jit
 def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xm, stride_xk, BLOCK: tl.constexpr,
-                        USE_ASM: tl.constexpr):
+                        USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """The x pass of the 16-bit-x GEMVs, one program a K slice of a row m of x (grid: slices, rows): the
     slice's exponent e (`x_exponent`) to exp_ptr[m, slice] ([M, slices]), and x[m] * 2^e as the fp16 pairs
     the block sums take (`_x_pairs`, word j's four at pairs_ptr[m, 4j .. 4j + 4], [M, K/2]). Once per call
-    instead of in every program of the GEMV. On the GPU it lets the GEMV launch at once (`x_pass_pdl`)."""
-    if USE_ASM:
+    instead of in every program of the GEMV. PDL: it lets the GEMV launch at once (`x_pass_pdl`)."""
+    if PDL:
         gdc_launch_dependents()
     pid_k = tl.program_id(0)
     row = tl.program_id(1)
@@ -474,7 +474,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
                            stride_xk, stride_wn, stride_sn, stride_on,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            AHEAD: tl.constexpr, X_PAIRS: tl.constexpr, XBLOCK: tl.constexpr, SPLIT: tl.constexpr,
-                           USE_ASM: tl.constexpr):
+                           USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """M = 1 with 16-bit x: out[n] = sum_k x[k] * w[n, k]. x is first scaled by a power of two 2^e that
     puts its largest magnitude in this program's K slice in [2^11, 2^12) (exact; X_PAIRS: `_x_f16_pairs_kernel`
     did that once for every program and left e and the fp16 pairs at exp_ptr and pairs_ptr), then each
@@ -486,7 +486,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
     offs_n, mask_n, w_rows, s_rows = _gemv_rows(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if X_PAIRS and USE_ASM:   # launched beside x's pass (`x_pass_pdl`): its pairs are read after it ends
+    if PDL:   # launched beside x's pass (`x_pass_pdl`): its pairs are read after it ends
         gdc_wait()
     if AHEAD:   # the first step's words in flight during the scan of x (or the load of e) below
         wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
@@ -532,7 +532,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
 def _gemv_nvfp4_rows_kernel(pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_per_split,
                             stride_wn, stride_sn, stride_om, stride_on,
                             ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                            AHEAD: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+                            AHEAD: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """2 <= M <= 8 with 16-bit x, CUDA cores: `_gemv_nvfp4_f16_kernel`'s sums for each of the ROWS rows of x,
     from the pairs and exponents x's pass wrote for each row ([ROWS, K/2], [ROWS, slices]). Each block's words
     are decoded to fp16 pairs once (`_block_f16x2`) and serve every row (`_block_sum_f16x2`), so a row costs
@@ -541,7 +541,7 @@ def _gemv_nvfp4_rows_kernel(pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, p
     pid_k = tl.program_id(1)
     offs_n, mask_n, w_rows, s_rows = _gemv_rows(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N)
     k_start = pid_k * k_per_split
-    if USE_ASM:   # launched beside x's pass (`x_pass_pdl`): its pairs are read after it ends
+    if PDL:   # launched beside x's pass (`x_pass_pdl`): its pairs are read after it ends
         gdc_wait()
     if AHEAD:
         wv, sb = _gemv_load_step(w_rows, s_rows, k_start, K, BLOCK_K, EVEN_K)
@@ -818,19 +818,19 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if uses_f16_gemv(x, plan):
         x_pass = m > 1 or uses_x_pass(n, k)                          # several rows: always
         pairs, exps = words, words                                   # read only with x's pass
+        pdl = x_pass_pdl(x) if x_pass else {}
         if x_pass:
             pairs = torch.empty((m, k // 2), dtype=torch.int32, device=x.device)
             exps = torch.empty((m, plan.splits), dtype=torch.int32, device=x.device)
             _x_f16_pairs_kernel[(plan.splits, m)](x, pairs, exps, k, plan.k_per_split, x.stride(0), x.stride(1),
                                                   BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda,
-                                                  num_warps=8)
-        pdl = x_pass_pdl(x) if x_pass else {}
+                                                  PDL=bool(pdl), num_warps=8)
         if m > 1:
             _gemv_nvfp4_rows_kernel[grid](
                 pairs, exps, words, scale_bits, scale_2, out, part if part is not None else out, n, k,
                 plan.k_per_split, words.stride(0), scale_bits.stride(0), out.stride(0), out.stride(1),
                 ROWS=m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
-                AHEAD=plan.num_stages > 1, SPLIT=part is not None, USE_ASM=x.is_cuda,
+                AHEAD=plan.num_stages > 1, SPLIT=part is not None, USE_ASM=x.is_cuda, PDL=bool(pdl),
                 num_warps=plan.num_warps, num_stages=1, **pdl)
         else:
             _gemv_nvfp4_f16_kernel[grid](
@@ -838,7 +838,7 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                 plan.k_per_split, x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
                 BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
                 AHEAD=plan.num_stages > 1, X_PAIRS=x_pass, XBLOCK=x_scan_block(plan.k_per_split, 2048),
-                SPLIT=part is not None, USE_ASM=x.is_cuda,
+                SPLIT=part is not None, USE_ASM=x.is_cuda, PDL=bool(pdl),
                 num_warps=plan.num_warps, num_stages=1, **pdl)
     elif plan.block_m == 1:
         _gemv_nvfp4_kernel[grid](

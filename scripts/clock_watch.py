@@ -110,7 +110,7 @@ def main() -> int:
     exps = torch.empty((1, shipped.splits), dtype=torch.int32, device="cuda")
     x_pass = [lambda: _x_f16_pairs_kernel[(shipped.splits, 1)](
         x, pairs, exps, k, shipped.k_per_split, x.stride(0), x.stride(1), BLOCK=x_scan_block(shipped.k_per_split),
-        USE_ASM=True, num_warps=8)] * MIN_CALLS
+        USE_ASM=True, PDL=False, num_warps=8)] * MIN_CALLS
     print(f"x's pass alone: {time_us(x_pass, 200):.2f} us a launch (in a graph of {MIN_CALLS})")
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv", "-lms", "200"],
                            stdout=open(args.csv, "w"), stderr=subprocess.DEVNULL)

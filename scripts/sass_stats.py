@@ -8,7 +8,7 @@ at best, the clock 1.98 GHz at most and 1.77 GHz as Nsight Compute saw it under 
 quotes these counts. Pointer and size arguments are marked divisible by 16 and the unit strides of x and
 out specialized to 1, as Triton's launcher does at the real shapes. `nvfp4-gemv` is the kernel M = 1 with
 bf16 x runs on the LM heads (`_gemv_nvfp4_f16_kernel`), with its one-step look-ahead when --stages > 1 and
-x's pairs from x's own pass with --x-pass.
+x's pairs from x's own pass with --x-pass (and, as on the H200, launched beside it: `x_pass_pdl`).
 
     python3 scripts/sass_stats.py nvfp4-gemm --tile 32,64,256 --swap --stages 2
     python3 scripts/sass_stats.py nvfp4-gemv --tile 1,64,256 --stages 2 --x-pass
@@ -59,16 +59,17 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
                          LOWP_DOT=True, SWAP_AB=swap, SPLIT=False, USE_ASM=True))
         if bm > 1:                                                   # 2 <= M <= 8 rows of bf16 x
             return (linear_nvfp4._gemv_nvfp4_rows_kernel, {**types, "pairs_ptr": "*i32"},
-                    dict(ROWS=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, AHEAD=stages > 1, SPLIT=False, USE_ASM=True))
+                    dict(ROWS=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, AHEAD=stages > 1, SPLIT=False, USE_ASM=True,
+                         PDL=True))
         return (linear_nvfp4._gemv_nvfp4_f16_kernel, types,             # what M = 1 with bf16 x runs
                 dict(BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, AHEAD=stages > 1, X_PAIRS=x_pass, XBLOCK=2048,
-                     SPLIT=False, USE_ASM=True))
+                     SPLIT=False, USE_ASM=True, PDL=x_pass))
     types = {"x_ptr": "*fp16" if x_pass else "*bf16", "exp_ptr": "*i32",
              "w_ptr": "*bf16" if fmt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16",
              "part_ptr": "*fp32"}
     return (linear._linear_kernel, types,
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, LOWP_DOT=True, SWAP_AB=swap, SPLIT=False,
-                 ROW_SCALE=fmt == "fp8", X_EXP=x_pass, PDL=False))
+                 ROW_SCALE=fmt == "fp8", X_EXP=x_pass, PDL=x_pass))
 
 
 def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> tuple[str, int, int]:

@@ -18,12 +18,14 @@ import torch
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError
 from mtpfactory.kernels.linear import (
+    _has_pdl,
     _linear_native,
     _linear_triton_supports,
     linear,
     linear_triton,
     make_plan,
     plan_for,
+    x_pass_pdl,
 )
 from mtpfactory.ops import Provider
 from gemv_common import DTYPES, MS, SHAPES, assert_matches, explicit_plans, poisoned
@@ -131,6 +133,19 @@ def test_out_is_checked_and_empty_m():
         with pytest.raises(ValueError, match="out"):
             linear_triton(x, w, out=torch.empty(2, 7, dtype=torch.bfloat16))
         assert linear_triton(x[:0], w).shape == (0, 7)
+
+
+@pytest.mark.parametrize("capability,pdl", [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)])
+def test_pdl_only_where_the_gpu_has_it(capability, pdl, monkeypatch):
+    """The kernels after x's pass launch beside it only on sm_90 and later (`griddepcontrol` does not assemble
+    before: sm_89 runs the NVFP4 and FP8 paths, so it must not get it); never on the CPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    _has_pdl.cache_clear()
+    try:
+        assert _has_pdl(torch.device("cuda", 0)) is pdl
+    finally:
+        _has_pdl.cache_clear()
+    assert x_pass_pdl(torch.zeros(1, 16)) == {}
 
 
 # --- compiled (GPU) ----------------------------------------------------------------------------------------------

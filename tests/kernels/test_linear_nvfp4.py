@@ -169,7 +169,7 @@ def test_x_pass_scales_and_pairs_x(x_scale):
     pairs = torch.full((2, 24), -1, dtype=torch.int32)
     exps = torch.full((2, 2), -1, dtype=torch.int32)
     linear_nvfp4_module._x_f16_pairs_kernel[(2, 2)](x, pairs, exps, 48, 32, x.stride(0), 1, BLOCK=16,
-                                                    USE_ASM=False)
+                                                    USE_ASM=False, PDL=False)
     for row in range(2):
         want_exps, want_pairs = x_pass_reference(x[row], 32)
         assert torch.equal(exps[row], want_exps)
@@ -343,7 +343,8 @@ def test_gpu_x_pass(n, k, splits, x_scale, block_n, warps, x_pass):
     exps_pairs = x_pass_reference(x[0].cpu(), k)                  # what the pass writes, one slice
     pairs = torch.full((k // 2,), -1, dtype=torch.int32, device="cuda")
     exps = torch.full((1,), -1, dtype=torch.int32, device="cuda")
-    linear_nvfp4_module._x_f16_pairs_kernel[(1, 1)](x, pairs, exps, k, k, k, 1, BLOCK=512, USE_ASM=True)
+    linear_nvfp4_module._x_f16_pairs_kernel[(1, 1)](x, pairs, exps, k, k, k, 1, BLOCK=512, USE_ASM=True,
+                                                    PDL=False)
     assert torch.equal(exps.cpu(), exps_pairs[0]) and torch.equal(pairs.cpu(), exps_pairs[1])
 
 
