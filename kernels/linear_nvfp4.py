@@ -19,6 +19,9 @@ read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j 
   and pairs each row (its own power of two), each block's words are decoded to fp16 pairs once for all the
   rows (`_block_f16x2`) and each row adds only its fmas (`_block_sum_f16x2`); row m equals the M = 1
   kernel on x[m] bit for bit.
+- after x's pass, both fp16-sum GEMVs are programmatic dependent launches on sm_90 and later
+  (`linear.x_pass_pdl`): their programs start while the pass runs and wait for it (`gdc_wait`) before
+  anything else.
 - M = 1 otherwise (`_gemv_nvfp4_kernel`: fp32 x, and programs of few rows), exact fp32 FMAs:
   `_e2m1_words_to_e4m3` turns a word into two words of E4M3 bytes the same way, the hardware widens them to
   fp32 through fp16 (the interpreter, which has no inline asm, decodes the same bits through fp16), each
