@@ -347,12 +347,13 @@ F16_DOT_MIN_ELEMENTS = 1 << 26
 X_PASS_PDL = True
 
 
-def x_pass_pdl(x: torch.Tensor) -> dict:
-    """The launch options of a kernel that follows x's pass: a programmatic dependent launch while
+def x_pass_pdl(x: torch.Tensor) -> bool:
+    """Whether the kernel that follows x's pass is a programmatic dependent launch (`launch_pdl`): while
     `X_PASS_PDL` is set, on a GPU that has it (sm_90 and later: `griddepcontrol` does not assemble before).
-    With them, the pass's kernel is compiled with PDL and calls `gdc_launch_dependents` first, and the kernel
-    after it calls `gdc_wait` before anything else, so it reads the pass's output only after the pass ends."""
-    return {"launch_pdl": True} if x.is_cuda and X_PASS_PDL and _has_pdl(x.device) else {}
+    Then the pass's kernel, compiled with PDL, calls `gdc_launch_dependents` first, and the kernel after it
+    calls `gdc_wait` before anything else, so it reads the pass's output only after the pass ends. (The
+    interpreter drops the launch option.)"""
+    return x.is_cuda and X_PASS_PDL and _has_pdl(x.device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -377,19 +378,19 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     plan = plan or plan_for(m, n, k, split_k, TILES_FP8 if scaled else TILES_16BIT)
     part = partial_buffer(plan, m, n, x)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
-    x_op, exps, launch = x, out, {}
+    x_op, exps, pdl = x, out, False
     if scaled and plan.use_dot and x.dtype == torch.bfloat16 and n * k >= F16_DOT_MIN_ELEMENTS:
         x_op = torch.empty((m, k), dtype=torch.float16, device=x.device)
         exps = torch.empty(m, dtype=torch.int32, device=x.device)
-        launch = x_pass_pdl(x)
-        _x_f16_rows_kernel[(m,)](x, x_op, exps, k, x.stride(0), x.stride(1), BLOCK=x_scan_block(k),
-                                 PDL=bool(launch), num_warps=8)
+        pdl = x_pass_pdl(x)
+        _x_f16_rows_kernel[(m,)](x, x_op, exps, k, x.stride(0), x.stride(1), BLOCK=x_scan_block(k), PDL=pdl,
+                                 num_warps=8)
     _linear_kernel[grid](
         x_op, exps, weight, weight_scale if scaled else out, out, part if part is not None else out, m, n, k,
         plan.k_per_split, x_op.stride(0), x_op.stride(1), weight.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, USE_DOT=plan.use_dot,
         LOWP_DOT=lowp_dot(x), SWAP_AB=plan.swap_ab, SPLIT=part is not None, ROW_SCALE=scaled,
-        X_EXP=x_op is not x, PDL=bool(launch), num_warps=plan.num_warps, num_stages=plan.num_stages, **launch)
+        X_EXP=x_op is not x, PDL=pdl, num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl)
     if part is not None:
         splitk_reduce(part, out, weight_scale, scale_mode=1 if scaled else 0)
     return out

@@ -821,28 +821,28 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if uses_f16_gemv(x, plan):
         x_pass = m > 1 or uses_x_pass(n, k)                          # several rows: always
         pairs, exps = words, words                                   # read only with x's pass
-        pdl = x_pass_pdl(x) if x_pass else {}
+        pdl = x_pass and x_pass_pdl(x)
         if x_pass:
             pairs = torch.empty((m, k // 2), dtype=torch.int32, device=x.device)
             exps = torch.empty((m, plan.splits), dtype=torch.int32, device=x.device)
             _x_f16_pairs_kernel[(plan.splits, m)](x, pairs, exps, k, plan.k_per_split, x.stride(0), x.stride(1),
                                                   BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda,
-                                                  PDL=bool(pdl), num_warps=8)
+                                                  PDL=pdl, num_warps=8)
         if m > 1:
             _gemv_nvfp4_rows_kernel[grid](
                 pairs, exps, words, scale_bits, scale_2, out, part if part is not None else out, n, k,
                 plan.k_per_split, words.stride(0), scale_bits.stride(0), out.stride(0), out.stride(1),
                 ROWS=m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
-                AHEAD=plan.num_stages > 1, SPLIT=part is not None, USE_ASM=x.is_cuda, PDL=bool(pdl),
-                num_warps=plan.num_warps, num_stages=1, **pdl)
+                AHEAD=plan.num_stages > 1, SPLIT=part is not None, USE_ASM=x.is_cuda, PDL=pdl,
+                num_warps=plan.num_warps, num_stages=1, launch_pdl=pdl)
         else:
             _gemv_nvfp4_f16_kernel[grid](
                 x, pairs, exps, words, scale_bits, scale_2, out, part if part is not None else out, n, k,
                 plan.k_per_split, x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
                 BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
                 AHEAD=plan.num_stages > 1, X_PAIRS=x_pass, XBLOCK=x_scan_block(plan.k_per_split, 2048),
-                SPLIT=part is not None, USE_ASM=x.is_cuda, PDL=bool(pdl),
-                num_warps=plan.num_warps, num_stages=1, **pdl)
+                SPLIT=part is not None, USE_ASM=x.is_cuda, PDL=pdl,
+                num_warps=plan.num_warps, num_stages=1, launch_pdl=pdl)
     elif plan.block_m == 1:
         _gemv_nvfp4_kernel[grid](
             x, words, scale_bits, scale_2, out, part if part is not None else out, n, k, plan.k_per_split,
