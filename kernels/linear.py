@@ -205,7 +205,13 @@ def x_exponent(x_ptr, k_start, k_end, stride_xk, BLOCK: tl.constexpr):
         offs = k0 + tl.arange(0, BLOCK)
         xv = tl.load(x_ptr + offs * stride_xk, mask=offs < k_end, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(xv))
-    return tl.minimum(138 - (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23), 127)
+    return amax_exponent(tl.max(amax, axis=0))
+
+
+@triton.jit
+def amax_exponent(amax):
+    """`x_exponent`'s e from the slice's largest |x| (fp32, not negative)."""
+    return tl.minimum(138 - (amax.to(tl.int32, bitcast=True) >> 23), 127)
 
 
 @triton.jit

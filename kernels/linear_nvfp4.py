@@ -52,6 +52,7 @@ from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.kernels.linear import (
     GemvPlan,
     TileTable,
+    amax_exponent,
     check_out,
     dot_acc,
     dot_result,
@@ -464,6 +465,34 @@ def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xm, st
 
 
 @triton.jit
+def x_pairs_of_row(x, cols, K, pairs_ptr, exp_ptr, k_per_split, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
+    """x's pass on a row a kernel holds in registers (the final RMSNorm: `rms_norm_triton(x_pairs=...)`): x
+    [BLOCK] fp32, x[k] at cols == k and 0 past K, as the 16-bit value the row is stored as -> what
+    `_x_f16_pairs_kernel` writes for it, each K slice's exponent to exp_ptr[slice] and the scaled fp16 pairs
+    to pairs_ptr[0 .. K/2] (word j's (0, 2), (4, 6), (1, 3), (5, 7) at 4j .. 4j + 4). No reload of x."""
+    scale = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, tl.cdiv(K, k_per_split)):
+        in_slice = (cols >= s * k_per_split) & (cols < (s + 1) * k_per_split)
+        e = amax_exponent(tl.max(tl.where(in_slice, tl.abs(x), 0.0), axis=0))
+        tl.store(exp_ptr + s, e)
+        scale = tl.where(in_slice, pow2(e), scale)
+    # element 8j + 4a + 2b + c at [j, a, b, c]: split off c, then b (the pair's low and high half), then a
+    c0, c1 = tl.split(tl.reshape(x * scale, [BLOCK // 8, 2, 2, 2]))
+    c0_lo, c0_hi = tl.split(c0)
+    c1_lo, c1_hi = tl.split(c1)
+    x0, x4 = tl.split(c0_lo)
+    x2, x6 = tl.split(c0_hi)
+    x1, x5 = tl.split(c1_lo)
+    x3, x7 = tl.split(c1_hi)
+    word = tl.arange(0, BLOCK // 8)
+    mask = word < K // 8
+    tl.store(pairs_ptr + 4 * word, _f16x2(x0, x2, USE_ASM), mask=mask)
+    tl.store(pairs_ptr + 4 * word + 1, _f16x2(x4, x6, USE_ASM), mask=mask)
+    tl.store(pairs_ptr + 4 * word + 2, _f16x2(x1, x3, USE_ASM), mask=mask)
+    tl.store(pairs_ptr + 4 * word + 3, _f16x2(x5, x7, USE_ASM), mask=mask)
+
+
+@triton.jit
 def _gemv_rows(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N: tl.constexpr):
     """The weight rows of this program of the fp16-sum GEMVs: their indices [BN], which lie inside N, and the
     pointers to their words and scale bytes [BN, 1] (rows past N read row N - 1, stored nowhere)."""
@@ -759,6 +788,47 @@ def uses_x_pass(n: int, k: int) -> bool:
 LM_HEAD_GEMV_TILE = (32, 256, 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class XPairs:
+    """What x's pass (`_x_f16_pairs_kernel`) writes for x [M, K], made by the kernel that computes x (the final
+    RMSNorm: `rms_norm_triton(x_pairs=...)`) so that the GEMV need not launch the pass: the scaled fp16
+    pairs (int32 [M, K/2]) and each K slice's exponent (int32 [M, slices]), in slices of k_per_split (the
+    GEMV's plan's: `x_pass_split`)."""
+    pairs: torch.Tensor
+    exps: torch.Tensor
+    k_per_split: int
+
+    @classmethod
+    def empty(cls, m: int, k: int, k_per_split: int, device: torch.device) -> "XPairs":
+        return cls(torch.empty((m, k // 2), dtype=torch.int32, device=device),
+                   torch.empty((m, triton.cdiv(k, k_per_split)), dtype=torch.int32, device=device), k_per_split)
+
+    def check(self, m: int, k: int, k_per_split: int, device: torch.device) -> None:
+        """Refuse pairs that are not those of x [m, k] in slices of k_per_split, naming what differs."""
+        want = ((m, k // 2), (m, triton.cdiv(k, k_per_split)), k_per_split)
+        got = (tuple(self.pairs.shape), tuple(self.exps.shape), self.k_per_split)
+        if (got != want or self.pairs.dtype != torch.int32 or self.exps.dtype != torch.int32
+                or not (self.pairs.is_contiguous() and self.exps.is_contiguous())
+                or self.pairs.device != device or self.exps.device != device):
+            raise ValueError(f"x_pairs: pairs {got[0]} {self.pairs.dtype}, exps {got[1]} {self.exps.dtype} on "
+                             f"{self.pairs.device}, k_per_split {got[2]}; this call needs contiguous int32 "
+                             f"pairs {want[0]} and exps {want[1]} on {device}, k_per_split {want[2]}: make them "
+                             "with the plan's `x_pass_split`, or pass x_pairs=None")
+
+
+def runs_x_pass(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
+    """Whether the call runs x's pass before its GEMV: the fp16-sum GEMVs of several rows always, of one row
+    on a large weight (`uses_x_pass`)."""
+    return uses_f16_gemv(x, plan) and (x.shape[0] > 1 or uses_x_pass(n, k))
+
+
+def x_pass_split(x: torch.Tensor, n: int, k: int, split_k: bool) -> int | None:
+    """The k_per_split of the `XPairs` the planned call of x [M, k] on an [n, k] weight would make, or None
+    where it makes none (its plan runs no x pass)."""
+    plan = default_plan(x, n, k, split_k)
+    return plan.k_per_split if runs_x_pass(x, n, k, plan) else None
+
+
 def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool) -> GemvPlan:
     """The planner's tiles for x [M, K] times an [n, k] NVFP4 weight: 16-bit x of up to GEMV_MAX_ROWS rows
     on a large weight as the GEMV of several rows, without look-ahead (its registers go to the rows' sums:
@@ -785,13 +855,14 @@ def _default_plan(m: int, n: int, k: int, split_k: bool, max_gemv_m: int,
 
 def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         weight_scale_2: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,
-                        plan: GemvPlan | None = None) -> torch.Tensor:
+                        plan: GemvPlan | None = None, x_pairs: XPairs | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize_nvfp4(weight [N, K/2], weight_scale [N, K/16], weight_scale_2)^T -> [M, N] in
     x's dtype; arguments as `linear_triton` (a `plan`'s block_k must be a multiple of 16, its block_m at
     least M: 1, 2, 4 or 8 (the GEMVs; more than one row for 16-bit x only), 16 or 32 (the tensor cores); on
     the tensor-core path its num_stages - 1, 1 or 2, is how many K steps ahead the kernel loads: Triton's own
     pipeliner does not take loads that feed arithmetic before the dot; the fp16-sum GEMVs load one step
-    ahead when num_stages > 1)."""
+    ahead when num_stages > 1). `x_pairs`: x's pass already made (`XPairs`, for a plan that runs one): the
+    GEMV reads them and the pass is not launched."""
     m, k = x.shape
     n = weight.shape[0]
     if (k % NVFP4_BLOCK or weight.shape[1] * 2 != k or weight.stride(1) != 1 or weight.stride(0) % 4
@@ -813,18 +884,26 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         raise ValueError(f"plan: block_m = {plan.block_m} for M = {m} rows of {x.dtype} x; NVFP4 runs M as a GEMV "
                          f"(block_m 1 for M = 1; 2, 4 or 8, at least M, for up to {ROWS_KERNEL_MAX} rows of bf16 "
                          "or fp16 x) or on the tensor cores (block_m 16 or 32, at least M): use one of those")
+    x_pass = runs_x_pass(x, n, k, plan)
+    if x_pairs is not None:
+        if not x_pass:
+            raise ValueError(f"x_pairs: given for [{m}, {k}] {x.dtype} x on an [{n}, {k}] weight, whose plan runs no "
+                             "x pass (the fp16-sum GEMV of several rows, or of one row on a weight of "
+                             f"{X_PASS_MIN_ELEMENTS} elements or more, does): pass x_pairs=None")
+        x_pairs.check(m, k, plan.k_per_split, x.device)
     part = partial_buffer(plan, m, n, x)
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     scale_2 = weight_scale_2.reshape(1)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
     if uses_f16_gemv(x, plan):
-        x_pass = m > 1 or uses_x_pass(n, k)                          # several rows: always
         pairs, exps = words, words                                   # read only with x's pass
         pdl = x_pass and x_pass_pdl(x)
-        if x_pass:
-            pairs = torch.empty((m, k // 2), dtype=torch.int32, device=x.device)
-            exps = torch.empty((m, plan.splits), dtype=torch.int32, device=x.device)
+        if x_pairs is not None:
+            pairs, exps = x_pairs.pairs, x_pairs.exps
+        elif x_pass:
+            made = XPairs.empty(m, k, plan.k_per_split, x.device)
+            pairs, exps = made.pairs, made.exps
             _x_f16_pairs_kernel[(plan.splits, m)](x, pairs, exps, k, plan.k_per_split, x.stride(0), x.stride(1),
                                                   BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda,
                                                   PDL=pdl, num_warps=8)

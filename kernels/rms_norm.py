@@ -1,13 +1,19 @@
 """RMSNorm, plain (`x * rsqrt(mean(x^2) + eps) * w`) or zero-centred (`... * (1 + w)`), optionally fused
-with the residual add that precedes it. Computed in fp32, returned in the input dtype."""
+with the residual add that precedes it. Computed in fp32, returned in the input dtype.
+
+The Triton provider can also make, from the normed row it holds in registers, the x pass of the NVFP4
+GEMV that follows (`x_pairs`: an LM head after the final norm, `rms_norm_linear_nvfp4`), and let that GEMV
+launch while it runs (`pdl`)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from mtpfactory.kernels.fp_bits import cast_rne
+from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
 from mtpfactory.ops import Op, triton_can_run
 
 
@@ -28,9 +34,14 @@ rms_norm = Op("rms_norm", _rms_norm_native)
 # --- Triton ---------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, H, eps,
-                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One row of H per program; the row lives in registers (BLOCK_H >= H, masked)."""
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, pairs_ptr, exp_ptr, H, eps, k_per_split,
+                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK_H: tl.constexpr,
+                     X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+    """One row of H per program; the row lives in registers (BLOCK_H >= H, masked). X_PAIRS: also the NVFP4
+    GEMV's x pass of the normed row (`x_pairs_of_row`: pairs [M, H/2], exps [M, slices of k_per_split]).
+    PDL: the kernel after it may launch at once (it waits for this one to end before reading)."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -44,7 +55,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, H, eps,
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTRED:
         w = w + 1.0
-    tl.store(y_ptr + row * H + cols, cast_rne(x * rstd * w, y_ptr.dtype.element_ty), mask=mask)
+    y = cast_rne(x * rstd * w, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * H + cols, y, mask=mask)
+    if X_PAIRS:
+        x_pairs_of_row(y.to(tl.float32), cols, H, pairs_ptr + row * (H // 2),
+                       exp_ptr + row * tl.cdiv(H, k_per_split), k_per_split, BLOCK_H, USE_ASM)
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,8 +85,10 @@ def _check_out(out: torch.Tensor, like: torch.Tensor, name: str) -> None:
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    residual_out: torch.Tensor | None = None):
-    """The reference's contract; `out` / `residual_out` (optional) receive the norm and the sum."""
+                    residual_out: torch.Tensor | None = None, x_pairs: XPairs | None = None, pdl: bool = False):
+    """The reference's contract; `out` / `residual_out` (optional) receive the norm and the sum. `x_pairs`
+    (optional) receives what the NVFP4 GEMV's x pass would write for the norm, viewed as [M, H] (H a multiple
+    of 16); `pdl`: the next launch is a programmatic dependent launch (`linear.x_pass_pdl`)."""
     y = torch.empty_like(x) if out is None else out
     s = None if residual is None else (torch.empty_like(x) if residual_out is None else residual_out)
     _check_out(y, x, "out")
@@ -79,12 +96,23 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
         _check_out(s, x, "residual_out")
     H = x.shape[-1]
     M = x.numel() // H
+    if x_pairs is not None:
+        if H % 16:
+            raise ValueError(f"x_pairs: H = {H}; the NVFP4 GEMV's x pass takes rows of whole 16-element blocks: "
+                             "pass x_pairs=None")
+        if x_pairs.k_per_split % 8 or x_pairs.k_per_split <= 0:
+            raise ValueError(f"x_pairs: k_per_split = {x_pairs.k_per_split}; slices hold whole 8-element words "
+                             "(a positive multiple of 8): take it from the GEMV's plan (`x_pass_split`)")
+        x_pairs.check(M, H, x_pairs.k_per_split, x.device)
     if M:
         block = triton.next_power_of_2(H)
         warps = 4 if block < 2048 else 8 if block < 8192 else 16
+        pairs, exps = (y, y) if x_pairs is None else (x_pairs.pairs, x_pairs.exps)
         _rms_norm_kernel[(M,)](x, x if residual is None else residual, weight, y, y if s is None else s,
-                               H, eps, HAS_RESIDUAL=residual is not None, ZERO_CENTRED=bool(zero_centred),
-                               BLOCK_H=block, num_warps=warps)
+                               pairs, exps, H, eps, 1 if x_pairs is None else x_pairs.k_per_split,
+                               HAS_RESIDUAL=residual is not None, ZERO_CENTRED=bool(zero_centred),
+                               BLOCK_H=block, X_PAIRS=x_pairs is not None, USE_ASM=x.is_cuda, PDL=pdl,
+                               num_warps=warps)
     return y if residual is None else (y, s)
 
 

@@ -1,5 +1,6 @@
-"""What the GEMV tests share (test_linear*.py): the tolerance, the poisoned output, the tile plans and the
-check of a kernel launched beside x's pass."""
+"""What the GEMV tests share (test_linear*.py, test_rms_norm_linear_nvfp4.py): the tolerance, the poisoned
+output, the tile plans, the check of a kernel launched beside x's pass, NVFP4 inputs and x's pass's
+reference."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from mtpfactory.kernels.linear import make_plan
+from mtpfactory.quant import quantize_nvfp4
 
 # |out - ref| <= OUT_RTOL * |ref| + SUM_RTOL * sum|x||w|: the second term covers fp32 partial sums taken in
 # another order; the first, the final rounding landing on a neighbouring value of the output dtype. A
@@ -77,3 +79,30 @@ def assert_pdl_reads_its_own_x(call, xs: list[torch.Tensor], monkeypatch) -> Non
         torch.cuda.synchronize()
         for i, (out, e) in enumerate(zip(outs, expected)):
             assert torch.equal(out, e), i
+
+
+def nvfp4_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
+    """The NVFP4 tests' inputs: x [M, K] in `dtype`; a Gaussian weight [N, K] whose 16-blocks span 2^12 in
+    magnitude (some E4M3 scales subnormal), about one block in eight all zero, quantized to NVFP4."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k // 16, 16, generator=gen)
+    w = w * torch.exp2(-12 * torch.rand(n, k // 16, 1, generator=gen))
+    w = (w * (torch.rand(n, k // 16, 1, generator=gen) > 0.125)).view(n, k)
+    return (x.to(device), *(t.to(device) for t in quantize_nvfp4(w)))
+
+
+def x_pass_reference(x: torch.Tensor, k_per_split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `_x_f16_pairs_kernel` writes for x [K]: each slice's exponent e (its largest |x| times 2^e in
+    [2^11, 2^12), e at most 127) and x * 2^e in fp16, word j's pairs (0, 2), (4, 6), (1, 3), (5, 7) as int32
+    (the first element in the low half)."""
+    xf = x.float()
+    exps = []
+    scaled = torch.empty_like(xf)
+    for s in range(0, x.numel(), k_per_split):
+        amax = xf[s:s + k_per_split].abs().max()
+        e = 127 if amax == 0 else min(11 - int(torch.floor(torch.log2(amax))), 127)
+        exps.append(e)
+        scaled[s:s + k_per_split] = xf[s:s + k_per_split] * 2.0**e
+    words = scaled.to(torch.float16).view(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].contiguous()   # (lo, hi) pairs
+    return torch.tensor(exps, dtype=torch.int32), words.view(torch.int32).view(-1)

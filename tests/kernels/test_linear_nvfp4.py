@@ -35,20 +35,17 @@ from mtpfactory.kernels.linear_nvfp4 import (
 )
 from mtpfactory.ops import Provider
 from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
-from gemv_common import DTYPES, SUM_RTOL, assert_matches, assert_pdl_reads_its_own_x, explicit_plans
+from gemv_common import (
+    DTYPES,
+    SUM_RTOL,
+    assert_matches,
+    assert_pdl_reads_its_own_x,
+    explicit_plans,
+    nvfp4_inputs,
+    x_pass_reference,
+)
 
 linear_nvfp4_module = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Op
-
-
-def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
-    """x [M, K] in `dtype`; a Gaussian weight [N, K] whose 16-blocks span 2^12 in magnitude (some E4M3
-    scales subnormal), about one block in eight all zero, quantized to NVFP4."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    w = torch.randn(n, k // 16, 16, generator=gen)
-    w = w * torch.exp2(-12 * torch.rand(n, k // 16, 1, generator=gen))
-    w = (w * (torch.rand(n, k // 16, 1, generator=gen) > 0.125)).view(n, k)
-    return (x.to(device), *(t.to(device) for t in quantize_nvfp4(w)))
 
 
 F16_SUM_RTOL = 2.0**-8
@@ -69,7 +66,7 @@ def check(x, weight, scale, scale_2, **kwargs) -> None:
 @pytest.mark.parametrize("m", [1, 3, 17, 32])
 @pytest.mark.parametrize("n,k", [(1, 16), (7, 48), (33, 80), (130, 48)])
 def test_matches_reference_with_explicit_tiles(dtype, m, n, k):
-    x, *w = make_inputs(m, n, k, dtype, seed=m * 1000 + n)
+    x, *w = nvfp4_inputs(m, n, k, dtype, seed=m * 1000 + n)
     with ops.use_backend("triton"):
         for plan in explicit_plans(m, n, k, first_block_k=32, fma_m=False):
             check(x, *w, plan=plan)
@@ -79,7 +76,7 @@ def test_matches_reference_with_explicit_tiles(dtype, m, n, k):
 @pytest.mark.parametrize("m,n,k", [(1, 7, 1024), (3, 33, 48), (17, 130, 80), (32, 5, 512)])
 @pytest.mark.parametrize("split_k", [False, True])
 def test_matches_reference_with_planned_tiles(dtype, m, n, k, split_k):
-    x, *w = make_inputs(m, n, k, dtype, seed=n + k)
+    x, *w = nvfp4_inputs(m, n, k, dtype, seed=n + k)
     with ops.use_backend("triton"):
         check(x, *w, split_k=split_k)
 
@@ -89,7 +86,7 @@ def test_matches_reference_with_planned_tiles(dtype, m, n, k, split_k):
 def test_tensor_core_path_loads_ahead(stages, splits):
     """num_stages - 1 (1 or 2) K steps loaded ahead: 7 steps of 32 with a partial last one, in one slice,
     three, or seven single-step slices (the look-ahead clamped to the slice)."""
-    x, *w = make_inputs(5, 33, 208, torch.bfloat16, seed=stages)
+    x, *w = nvfp4_inputs(5, 33, 208, torch.bfloat16, seed=stages)
     with ops.use_backend("triton"):
         check(x, *w, plan=make_plan(5, 33, 208, block_n=16, block_k=32, splits=splits, num_stages=stages))
 
@@ -138,22 +135,6 @@ def x_pass(request, monkeypatch):
     return request.param
 
 
-def x_pass_reference(x: torch.Tensor, k_per_split: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What `_x_f16_pairs_kernel` writes for x [K]: each slice's exponent e (its largest |x| times 2^e in
-    [2^11, 2^12), e at most 127) and x * 2^e in fp16, word j's pairs (0, 2), (4, 6), (1, 3), (5, 7) as int32
-    (the first element in the low half)."""
-    xf = x.float()
-    exps = []
-    scaled = torch.empty_like(xf)
-    for s in range(0, x.numel(), k_per_split):
-        amax = xf[s:s + k_per_split].abs().max()
-        e = 127 if amax == 0 else min(11 - int(torch.floor(torch.log2(amax))), 127)
-        exps.append(e)
-        scaled[s:s + k_per_split] = xf[s:s + k_per_split] * 2.0**e
-    words = scaled.to(torch.float16).view(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].contiguous()   # (lo, hi) pairs
-    return torch.tensor(exps, dtype=torch.int32), words.view(torch.int32).view(-1)
-
-
 @pytest.mark.parametrize("x_scale", [1.0, 2.0**-100, 2.0**100], ids=lambda v: f"{v:g}")
 def test_x_pass_scales_and_pairs_x(x_scale):
     """The x pass, launched alone on x [2, 48] (rows read with a stride of 64) in slices of 32 (a partial
@@ -181,10 +162,10 @@ def test_x_pass_scales_and_pairs_x(x_scale):
 def test_gemv_f16_sums_with_and_without_look_ahead(stages, splits, x_pass, dtype=torch.bfloat16):
     """The 16-bit-x GEMV loads the next K step's words ahead of its sums (num_stages > 1) or not: 7 steps of
     32 with a partial last one, in one slice or three (the look-ahead of a slice's last step reloads it)."""
-    x, *w = make_inputs(1, 33, 208, dtype, seed=stages)
+    x, *w = nvfp4_inputs(1, 33, 208, dtype, seed=stages)
     with ops.use_backend("triton"):
         check(x, *w, plan=make_plan(1, 33, 208, block_n=16, block_k=32, splits=splits, block_m=1, num_stages=stages))
-    x, *w = make_inputs(1, 33, 192, dtype, seed=stages)           # every step whole: no K masks
+    x, *w = nvfp4_inputs(1, 33, 192, dtype, seed=stages)           # every step whole: no K masks
     with ops.use_backend("triton"):
         check(x, *w, plan=make_plan(1, 33, 192, block_n=16, block_k=32, splits=splits, block_m=1, num_stages=stages))
 
@@ -194,7 +175,7 @@ def test_gemv_f16_sums_scale_x_by_a_power_of_two(x_scale, x_pass):
     """The fp16 block sums stay in range and keep their precision whatever the size of x: the kernel scales
     x by a power of two per K slice (x near the bottom of bf16's range, near the top, and all zero; the
     slices of the look-ahead test above each take their own)."""
-    x, *w = make_inputs(1, 33, 256, torch.bfloat16, seed=5)
+    x, *w = nvfp4_inputs(1, 33, 256, torch.bfloat16, seed=5)
     with ops.use_backend("triton"):
         check((x.float() * x_scale).to(torch.bfloat16), *w,
               plan=make_plan(1, 33, 256, block_n=16, block_k=64, block_m=1))
@@ -206,7 +187,7 @@ def test_gemv_rows_matches_reference(dtype, n, k, m):
     """2 <= M <= 8 rows of 16-bit x on the GEMV of several rows (block_m M rounded up to a power of two or
     8): single-block K steps, then steps of 32 in three slices with and without look-ahead; a partial last K
     step (208) and none (192); bf16 rows 2^120 apart in size, each scaled by its own power of two."""
-    x, *w = make_inputs(m, n, k, dtype, seed=m + n)
+    x, *w = nvfp4_inputs(m, n, k, dtype, seed=m + n)
     if dtype == torch.bfloat16:                                      # fp16 holds no 2^60
         x = (x.float() * torch.exp2(torch.tensor([60.0, -60.0] * 4)[:m, None])).to(dtype)
     bm = 1 << (m - 1).bit_length()
@@ -219,7 +200,7 @@ def test_gemv_rows_matches_reference(dtype, n, k, m):
 @pytest.mark.parametrize("splits", [1, 2])
 def test_gemv_rows_equal_the_m1_gemv_row_by_row(splits):
     """Each row's result on the GEMV of several rows is the M = 1 GEMV's on that row alone, bit for bit."""
-    x, *w = make_inputs(5, 40, 256, torch.bfloat16, seed=splits)
+    x, *w = nvfp4_inputs(5, 40, 256, torch.bfloat16, seed=splits)
     plan = make_plan(5, 40, 256, block_n=16, block_k=64, splits=splits, block_m=8, num_stages=2)
     one = make_plan(1, 40, 256, block_n=16, block_k=64, splits=splits, block_m=1, num_stages=2)
     with ops.use_backend("triton"):
@@ -247,7 +228,7 @@ def test_op_dispatch_and_fallback(monkeypatch):
     p = linear_nvfp4.providers["triton"]
     monkeypatch.setitem(linear_nvfp4.providers, "triton",
                         Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
-    x, weight, scale, scale_2 = make_inputs(33, 7, 32, torch.bfloat16)
+    x, weight, scale, scale_2 = nvfp4_inputs(33, 7, 32, torch.bfloat16)
     with ops.use_backend("triton"):
         y = linear_nvfp4(x[:2], weight, scale, scale_2)
         assert calls == [1]
@@ -266,7 +247,7 @@ def test_op_dispatch_and_fallback(monkeypatch):
 
 
 def test_plan_block_k_must_hold_whole_blocks():
-    x, *w = make_inputs(1, 7, 32, torch.float32)
+    x, *w = nvfp4_inputs(1, 7, 32, torch.float32)
     with ops.use_backend("triton"), pytest.raises(ValueError, match="multiple of 16"):
         linear_nvfp4_triton(x, *w, plan=make_plan(1, 7, 32, block_n=8, block_k=8))
 
@@ -293,7 +274,7 @@ def test_planned_nvfp4_tiles():
 def test_plan_block_m_must_be_a_gemv_or_a_dot(m, dtype, block_m):
     """A plan of fewer rows than x has, or of several GEMV rows for fp32 x, is refused (naming block_m and
     M) and writes nothing."""
-    x, *w = make_inputs(m, 7, 32, dtype)
+    x, *w = nvfp4_inputs(m, 7, 32, dtype)
     out = torch.full((m, 7), float("nan"), dtype=dtype)
     with ops.use_backend("triton"), pytest.raises(ValueError, match=f"block_m = {block_m} for M = {m}"):
         linear_nvfp4_triton(x, *w, out=out, plan=make_plan(m, 7, 32, block_n=8, block_k=32, block_m=block_m))
@@ -301,7 +282,7 @@ def test_plan_block_m_must_be_a_gemv_or_a_dot(m, dtype, block_m):
 
 
 def test_weight_rows_must_start_on_words():
-    x, weight, scale, scale_2 = make_inputs(1, 7, 32, torch.float32)
+    x, weight, scale, scale_2 = nvfp4_inputs(1, 7, 32, torch.float32)
     wide = torch.zeros(7, 17, dtype=torch.uint8)
     wide[:, 1:] = weight
     with pytest.raises(ValueError, match="weight.contiguous"):
@@ -324,7 +305,7 @@ def test_weight_rows_must_start_on_words():
 @pytest.mark.parametrize("n,k", [(4096, 2048), (2048, 4096)])
 @pytest.mark.parametrize("split_k", [False, True])
 def test_gpu_matches_reference(dtype, m, n, k, split_k):
-    x, *w = make_inputs(m, n, k, dtype, seed=m, device="cuda")
+    x, *w = nvfp4_inputs(m, n, k, dtype, seed=m, device="cuda")
     check(x, *w, split_k=split_k)
 
 
@@ -336,7 +317,7 @@ def test_gpu_matches_reference(dtype, m, n, k, split_k):
 def test_gpu_x_pass(n, k, splits, x_scale, block_n, warps, x_pass):
     """The 16-bit-x GEMV with x paired in its programs and by x's own pass, compiled: whole and partial K
     steps, in one slice or several, x of any size."""
-    x, *w = make_inputs(1, n, k, torch.bfloat16, seed=splits, device="cuda")
+    x, *w = nvfp4_inputs(1, n, k, torch.bfloat16, seed=splits, device="cuda")
     x = (x.float() * x_scale).to(torch.bfloat16)
     check(x, *w, plan=make_plan(1, n, k, block_n=block_n, block_k=256, splits=splits, block_m=1, num_warps=warps,
                                 num_stages=2))
@@ -357,7 +338,7 @@ def test_gpu_pdl_reads_this_calls_pairs(m, monkeypatch):
     monkeypatch.setattr(linear_nvfp4_module, "X_PASS_MIN_ELEMENTS", 0)
     monkeypatch.setattr(linear_nvfp4_module, "GEMV_ROWS_MIN_ELEMENTS", 0)
     n, k = 4096, 2048
-    _, *w = make_inputs(1, n, k, torch.bfloat16, seed=m, device="cuda")
+    _, *w = nvfp4_inputs(1, n, k, torch.bfloat16, seed=m, device="cuda")
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2.0 ** (8 * (i % 3) - 8) for i in range(12)]
     assert uses_f16_gemv(xs[0], default_plan(xs[0], n, k, False))
     assert_pdl_reads_its_own_x(lambda x, out=None: linear_nvfp4_triton(x, *w, out=out), xs, monkeypatch)
@@ -370,7 +351,7 @@ def test_gpu_pdl_reads_this_calls_pairs(m, monkeypatch):
 def test_gpu_rows(m, n, k, splits, stages):
     """The GEMV of several rows, compiled: against the reference with rows 2^120 apart, and row by row equal
     to the M = 1 GEMV bit for bit."""
-    x, *w = make_inputs(m, n, k, torch.bfloat16, seed=m, device="cuda")
+    x, *w = nvfp4_inputs(m, n, k, torch.bfloat16, seed=m, device="cuda")
     x = (x.float() * torch.exp2(torch.tensor([60.0, -60.0] * 4, device="cuda")[:m, None])).to(torch.bfloat16)
     plan = make_plan(m, n, k, block_n=64, block_k=256, splits=splits, block_m=8, num_stages=stages)
     check(x, *w, plan=plan)
@@ -384,7 +365,7 @@ def test_gpu_rows(m, n, k, splits, stages):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 8, 32])
 def test_gpu_every_path(m):
-    x, *w = make_inputs(m, 4096, 2048, torch.bfloat16, seed=m, device="cuda")
+    x, *w = nvfp4_inputs(m, 4096, 2048, torch.bfloat16, seed=m, device="cuda")
     for plan in explicit_plans(m, 4096, 2048, first_block_k=32, fma_m=False):
         check(x, *w, plan=plan)
 
@@ -411,7 +392,7 @@ def test_gpu_auto_backend_picks_triton(monkeypatch):
     p = linear_nvfp4.providers["triton"]
     monkeypatch.setitem(linear_nvfp4.providers, "triton",
                         Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
-    x, weight, scale, scale_2 = make_inputs(4, 4096, 2048, torch.bfloat16, device="cuda")
+    x, weight, scale, scale_2 = nvfp4_inputs(4, 4096, 2048, torch.bfloat16, device="cuda")
     with ops.use_backend("auto"):
         y = linear_nvfp4(x, weight, scale, scale_2)
     assert calls == [1]

@@ -1,0 +1,62 @@
+"""The final RMSNorm and the NVFP4 projection after it (the LM head), as one op:
+`y = rms_norm(x [+ residual])`, `logits = y @ dequantize_nvfp4(weight, ...)^T`; returns (logits, y) or, with
+`residual`, (logits, y, x + residual).
+
+The reference is the two references in turn. The Triton provider runs the two Triton providers in turn,
+but where the GEMV's plan runs x's pass (`x_pass_split`: 16-bit x, several rows or a weight of 2^26
+elements or more, the LM heads) the norm makes that pass's pairs and exponents from the row it holds in
+registers (`rms_norm_triton(x_pairs=...)`) and the GEMV reads them: one launch fewer, and no reload of x.
+The GEMV is then a programmatic dependent launch after the norm (`linear.x_pass_pdl`). Its results equal
+the two providers' in turn bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtpfactory.kernels.linear import x_pass_pdl
+from mtpfactory.kernels.linear_nvfp4 import (
+    XPairs,
+    _linear_nvfp4_native,
+    _linear_nvfp4_supports,
+    linear_nvfp4_triton,
+    x_pass_split,
+)
+from mtpfactory.kernels.rms_norm import _rms_norm_native, _rms_norm_supports, rms_norm_triton
+from mtpfactory.ops import Op
+
+
+def _rms_norm_linear_nvfp4_native(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centred: bool,
+                                  weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                                  residual: torch.Tensor | None = None, split_work: bool = True):
+    """x, residual [M, H]; norm_weight [H]; the NVFP4 weight [N, H/2] as `linear_nvfp4`'s."""
+    normed = _rms_norm_native(x, norm_weight, eps, zero_centred, residual)
+    y = normed if residual is None else normed[0]
+    logits = _linear_nvfp4_native(y, weight, weight_scale, weight_scale_2)
+    return (logits, y) if residual is None else (logits, *normed)
+
+
+rms_norm_linear_nvfp4 = Op("rms_norm_linear_nvfp4", _rms_norm_linear_nvfp4_native)
+
+
+def rms_norm_linear_nvfp4_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centred: bool,
+                                 weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                                 residual: torch.Tensor | None = None, split_work: bool = True):
+    m, k = x.shape
+    k_per_split = x_pass_split(x, weight.shape[0], k, split_work)
+    x_pairs = None if k_per_split is None or m == 0 else XPairs.empty(m, k, k_per_split, x.device)
+    pdl = x_pairs is not None and x_pass_pdl(x)
+    normed = rms_norm_triton(x, norm_weight, eps, zero_centred, residual, x_pairs=x_pairs, pdl=pdl)
+    y = normed if residual is None else normed[0]
+    logits = linear_nvfp4_triton(y, weight, weight_scale, weight_scale_2, split_k=split_work, x_pairs=x_pairs)
+    return (logits, y) if residual is None else (logits, *normed)
+
+
+def _rms_norm_linear_nvfp4_supports(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centred: bool,
+                                    weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                                    residual: torch.Tensor | None = None, split_work: bool = True) -> bool:
+    return (x.dim() == 2 and _rms_norm_supports(x, norm_weight, eps, zero_centred, residual)
+            and _linear_nvfp4_supports(x, weight, weight_scale, weight_scale_2))
+
+
+rms_norm_linear_nvfp4.register_provider("triton", rms_norm_linear_nvfp4_triton, _rms_norm_linear_nvfp4_supports)
