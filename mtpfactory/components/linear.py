@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mtpfactory import kernels as K
+from mtpfactory.components.norms import RMSNorm
 from mtpfactory.quant import dequantize_fp8, dequantize_nvfp4
 
 FORMATS = ("unq", "fp8", "nvfp4")
@@ -36,6 +37,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         return K.linear(x, self.weight, split_work=self.split_work)
+
+    def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(y), y) for y = norm(x + residual): the projection after a head's final norm (its LM head)."""
+        y, _ = norm(x, residual=residual)
+        return self(y), y
 
 
 class LinearFP8(Linear):
@@ -72,6 +78,14 @@ class LinearNVFP4(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return K.linear_nvfp4(x, self.weight, self.weight_scale, self.weight_scale_2,
                               split_work=self.split_work)
+
+    def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `Linear.after_norm`, in one op (`rms_norm_linear_nvfp4`): on the Triton path the norm makes the
+        GEMV's x pass."""
+        logits, y, _ = K.rms_norm_linear_nvfp4(x, norm.weight, norm.eps, norm.zero_centred, self.weight,
+                                               self.weight_scale, self.weight_scale_2, residual=residual,
+                                               split_work=self.split_work)
+        return logits, y
 
 
 def make_linear(weight: torch.Tensor, fmt: str, dtype: torch.dtype, name: str = "",

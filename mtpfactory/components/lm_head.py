@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from mtpfactory.components.linear import Linear, make_linear
+from mtpfactory.components.norms import RMSNorm
 
 
 class LMHead(nn.Module):
@@ -23,6 +24,11 @@ class LMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, draft_vocab]
         return self.proj(x)
+
+    def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, y) for the head's final norm y = norm(x + residual), in one op where the format has one
+        (`Linear.after_norm`)."""
+        return self.proj.after_norm(norm, x, residual)
 
 
 def draft_vocab(vocab: int, mtp_vocab_size: int) -> int:

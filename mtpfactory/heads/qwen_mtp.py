@@ -69,8 +69,7 @@ class QwenMTPHead(DraftHead):
         r = self._fc_in(tokens, hidden)
         a = self.attention(self.input_layernorm(r), positions, slots, block_tables, context_lens)
         x, r = self.post_attention_layernorm(a, residual=r)
-        out, _ = self.norm(self.ffn(x), residual=r)
-        return self.lm_head(out), out
+        return self.lm_head.after_norm(self.norm, self.ffn(x), r)   # (logits, the chained hidden)
 
 
 def kv_dtype(cfg: DictConfig) -> torch.dtype:

@@ -161,6 +161,25 @@ def test_combinations_outside_the_table_are_refused(overrides, field, says):
     assert e.value.field == field and says in str(e.value)
 
 
+@pytest.mark.parametrize("case, fused", [("dense_nvfp4", True), ("moe_lm_nvfp4", True), ("dense_fp8", False)])
+def test_nvfp4_lm_head_runs_after_the_final_norm_in_one_op(monkeypatch, case, fused):
+    """An NVFP4 LM head takes the final norm with it (`rms_norm_linear_nvfp4`, whose Triton provider lets the
+    norm make the GEMV's x pass: tests/kernels/test_rms_norm_linear_nvfp4.py) at every step;
+    other formats call the norm and then the LM head."""
+    import mtpfactory.kernels as K
+
+    calls = []
+    real = K.rms_norm_linear_nvfp4
+    monkeypatch.setattr(K, "rms_norm_linear_nvfp4", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    head, overrides = QUANTIZED[case]
+    run(build(head, *overrides), rows=3)
+    assert calls == ([(1, head_hidden(head))] * 2 if fused else [])
+
+
+def head_hidden(head):
+    return mtpfactory.compose(f"+head={head}").model.hidden_size
+
+
 @pytest.mark.parametrize("split", [True, False])
 def test_gemv_split_work_reaches_every_projection(monkeypatch, split):
     """The lever picks the GEMV kernels' split-K variant (tests/kernels/test_linear*.py show both give the
