@@ -4,9 +4,12 @@ plainly), alternately, round after round, with cuBLAS BF16 as the plain stream, 
 clock, power and clock-event reasons every 200 ms; print each timing beside the clocks logged while it ran.
 A slow timing under a lower SM clock points at the clock; one under the same clock does not. (2026-12-03:
 the power cap, reason 0x4, at 680-700 W, takes the SM clock to 1.5 GHz.)
+--compare fused times the head's final norm (with its residual) and the NVFP4 LM head after it: as one op
+(`rms_norm_linear_nvfp4`, the norm making x's pass) against the two providers in turn (the GEMV's own
+pass), and the GEMV alone on pairs made beforehand (what the LM head costs when the norm makes its pass).
 
     python3 scripts/clock_watch.py --csv out/clocks.csv [--rounds 12] [--shape lm_head_qwen] [--ms 1,2]
-        [--formats nvfp4,fp8] [--compare pdl|alone]
+        [--formats nvfp4,fp8] [--compare pdl|alone|fused]
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ import time
 import torch
 
 from mtpfactory.kernels.linear_fp8 import linear_fp8_triton
-from mtpfactory.kernels.linear_nvfp4 import _x_f16_pairs_kernel, default_plan, linear_nvfp4_triton, x_scan_block
+from mtpfactory.kernels.linear_nvfp4 import (
+    XPairs,
+    _x_f16_pairs_kernel,
+    default_plan,
+    linear_nvfp4_triton,
+    x_pass_split,
+    x_scan_block,
+)
+from mtpfactory.kernels.rms_norm import rms_norm_triton
+from mtpfactory.kernels.rms_norm_linear_nvfp4 import rms_norm_linear_nvfp4_triton
 
 linear = importlib.import_module("mtpfactory.kernels.linear")   # the package exports the Ops
 linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
@@ -82,6 +94,24 @@ def _pairs_swapped(items) -> list:
     return [items[i ^ 1] for i in range(len(items))]
 
 
+def fused_calls(label: str, x: torch.Tensor, weights: list) -> list:
+    """--compare fused: one call a weight copy of the final norm of x + residual (zero-centred) and the NVFP4
+    LM head (split lever on, as the heads' default), as `label` says: "fused" one op, "apart" the two
+    providers in turn, "gemv" the LM head alone on pairs its norm made beforehand."""
+    k = x.shape[1]
+    res = torch.randn_like(x)
+    norm_w = 0.1 * torch.randn(k, device=x.device, dtype=x.dtype)
+    if label == "fused":
+        return [lambda t=t: rms_norm_linear_nvfp4_triton(x, norm_w, 1e-6, True, *t, residual=res) for t in weights]
+    if label == "apart":
+        return [lambda t=t: linear_nvfp4_triton(rms_norm_triton(x, norm_w, 1e-6, True, res)[0], *t, split_k=True)
+                for t in weights]
+    n = weights[0][0].shape[0]
+    x_pairs = XPairs.empty(x.shape[0], k, x_pass_split(x, n, k, True), x.device)
+    y, _ = rms_norm_triton(x, norm_w, 1e-6, True, res, x_pairs=x_pairs)
+    return [lambda t=t: linear_nvfp4_triton(y, *t, split_k=True, x_pairs=x_pairs) for t in weights]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", required=True)
@@ -89,17 +119,18 @@ def main() -> int:
     ap.add_argument("--shape", default="lm_head_qwen")
     ap.add_argument("--ms", default="1")
     ap.add_argument("--formats", default="nvfp4", help="nvfp4 and/or fp8 (W8A16 with the split lever, its default)")
-    ap.add_argument("--compare", default="pdl", choices=["pdl", "alone"],
+    ap.add_argument("--compare", default="pdl", choices=["pdl", "alone", "fused"],
                     help="pdl: each call with and without PDL; alone: the whole call against the kernel after x's "
-                         "pass alone (the pass not launched: what x's pairs written by the kernel before would cost)")
+                         "pass alone (the pass not launched: what x's pairs written by the kernel before would cost); "
+                         "fused: the final norm and the NVFP4 LM head as one op, as two, and the GEMV alone")
     args = ap.parse_args()
     n, k = SHAPES[args.shape]
     copies = max(MIN_CALLS, -(-512 * 2**20 // (n * k * 2)))
     w = formats(n, k, copies)
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in map(int, args.ms.split(","))}
-    labels = ("pdl", "no pdl") if args.compare == "pdl" else ("whole", "alone")
-    variants = {f"{fmt} M={m} {label}": (fmt, x, label)
-                for fmt in args.formats.split(",") for m, x in xs.items() for label in labels}
+    labels = {"pdl": ("pdl", "no pdl"), "alone": ("whole", "alone"), "fused": ("fused", "apart", "gemv")}[args.compare]
+    fmts = ["nvfp4"] if args.compare == "fused" else args.formats.split(",")
+    variants = {f"{fmt} M={m} {label}": (fmt, x, label) for fmt in fmts for m, x in xs.items() for label in labels}
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     shipped = default_plan(x, n, k, False)
     bw = copy_bandwidth()
@@ -112,6 +143,12 @@ def main() -> int:
         x, pairs, exps, k, shipped.k_per_split, x.stride(0), x.stride(1), BLOCK=x_scan_block(shipped.k_per_split),
         USE_ASM=True, PDL=False, num_warps=8)] * MIN_CALLS
     print(f"x's pass alone: {time_us(x_pass, 200):.2f} us a launch (in a graph of {MIN_CALLS})")
+    if args.compare == "fused":   # the norm alone, with and without making x's pass
+        res = torch.randn_like(x)
+        for made in (None, XPairs.empty(1, k, shipped.k_per_split, x.device)):
+            norm = [lambda made=made: rms_norm_triton(x, x[0], 1e-6, True, res, x_pairs=made)] * MIN_CALLS
+            print(f"the final norm alone, M = 1, {'making x pass' if made else 'plain'}: "
+                  f"{time_us(norm, 200):.2f} us a launch")
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv", "-lms", "200"],
                            stdout=open(args.csv, "w"), stderr=subprocess.DEVNULL)
     time.sleep(1.0)
@@ -121,14 +158,18 @@ def main() -> int:
     x_passes = linear_nvfp4._x_f16_pairs_kernel, linear._x_f16_rows_kernel
     try:
         for r in range(args.rounds):
-            # each pair in turn order A B, then B A: the one after a heavier launch runs under a lower clock
-            # (2026-12-03: up to 3% between identical launches)
-            for name, (fmt, xv, label) in (variants.items() if r % 2 == 0 else _pairs_swapped(variants.items())):
-                linear.X_PASS_PDL = label in ("pdl", "whole")     # read at launch: the graphs below capture it
+            # each pair in turn order A B, then B A (three: A B C, then C B A): the one after a heavier launch runs
+            # under a lower clock (2026-12-03: up to 3% between identical launches)
+            odd = list(variants.items())[::-1] if len(labels) > 2 else _pairs_swapped(variants.items())
+            for name, (fmt, xv, label) in (variants.items() if r % 2 == 0 else odd):
+                linear.X_PASS_PDL = label != "no pdl"     # read at launch: the graphs below capture it
                 if label == "alone":
                     linear_nvfp4._x_f16_pairs_kernel = _NotLaunched()
                     linear._x_f16_rows_kernel = _NotLaunched()
-                calls = [lambda t=t, xv=xv, f=FORMATS[fmt]: f(xv, t) for t in w[fmt]]
+                if args.compare == "fused":
+                    calls = fused_calls(label, xv, w[fmt])
+                else:
+                    calls = [lambda t=t, xv=xv, f=FORMATS[fmt]: f(xv, t) for t in w[fmt]]
                 t0 = time.time()
                 us = time_us(calls, 200)
                 g_us = graph_time_us(calls)[0]
