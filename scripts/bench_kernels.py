@@ -5,7 +5,9 @@ gemlite's A16W8_FP8 and A16W4_NVFP when they compile), at the real shapes and M 
 Each figure is the median of `triton.testing.do_bench` over CUDA-graph replays of one launch per buffer
 across rotating copies of the weight (together larger than L2, and at least MIN_CALLS of them), printed
 beside its floor: the bytes the op must move (weight with its scales, x, out) over the device copy
-bandwidth measured at the start.
+bandwidth measured at the start. On the LM heads, W4A16 is also timed after the head's final norm (with its
+residual), as the heads run it: one op whose norm makes the GEMV's x pass (`rms_norm_linear_nvfp4`), beside
+the norm and then the GEMV (which makes its own); their floor is the same op's bytes.
 
     python3 scripts/bench_kernels.py [--json PATH] [--shapes lm_head_qwen,fc] [--ms 1,8,32] [--no-gemlite]
 """
@@ -23,6 +25,8 @@ from triton.testing import do_bench
 from mtpfactory.kernels.linear import linear_triton
 from mtpfactory.kernels.linear_fp8 import linear_fp8_triton
 from mtpfactory.kernels.linear_nvfp4 import linear_nvfp4_triton
+from mtpfactory.kernels.rms_norm import rms_norm, rms_norm_triton
+from mtpfactory.kernels.rms_norm_linear_nvfp4 import rms_norm_linear_nvfp4_triton
 from mtpfactory.quant import quantize_fp8, quantize_nvfp4
 
 SHAPES = {  # name: (N, K)
@@ -104,6 +108,20 @@ def gemlite_peers(w: dict, k: int) -> dict:
     return out
 
 
+# the rows that norm x + residual first (their reference: the BF16 weight times the reference norm)
+AFTER_NORM = ("ours w4a16 split-K after its norm", "norm, then ours w4a16 split-K")
+
+
+def after_norm_providers(w: dict, x: torch.Tensor, res: torch.Tensor, norm_w: torch.Tensor) -> dict:
+    """AFTER_NORM's rows: the zero-centred final norm of x + res and the W4A16 LM head (split lever on, as the
+    heads' default), as one op and as the two providers in turn."""
+    return {AFTER_NORM[0]: ("nvfp4", [lambda t=t: rms_norm_linear_nvfp4_triton(x, norm_w, 1e-6, True, *t,
+                                                                               residual=res)[0]
+                                      for t in w["nvfp4"]]),
+            AFTER_NORM[1]: ("nvfp4", [lambda t=t: linear_nvfp4_triton(rms_norm_triton(x, norm_w, 1e-6, True, res)[0],
+                                                                      *t, split_k=True) for t in w["nvfp4"]])}
+
+
 def providers(w: dict, x: torch.Tensor, gemlite_layers: dict) -> dict:
     """name -> (format, [one call per weight copy])."""
     p = {
@@ -144,10 +162,18 @@ def main() -> int:
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = torch.nn.functional.linear(x.float(), w["bf16"][0].float())
-            for pname, (fmt, calls) in providers(w, x, peers).items():
+            todo = providers(w, x, peers)
+            if name.startswith("lm_head"):
+                res = torch.randn_like(x)
+                norm_w = 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+                todo.update(after_norm_providers(w, x, res, norm_w))
+                x_normed = rms_norm.reference(x, norm_w, 1e-6, True, res)[0]
+                ref_normed = torch.nn.functional.linear(x_normed.float(), w["bf16"][0].float())
+            for pname, (fmt, calls) in todo.items():
+                want = ref_normed if pname in AFTER_NORM else ref
                 try:
                     out = calls[0]().float()
-                    err = ((out - ref).norm() / ref.norm()).item()
+                    err = ((out - want).norm() / want.norm()).item()
                     us, graphed = graph_time_us(calls)
                 except Exception as e:  # noqa: BLE001
                     print(f"# {name} M={m} {pname}: failed ({type(e).__name__}: {str(e)[:120]!r})")
