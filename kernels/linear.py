@@ -63,20 +63,32 @@ class GemvPlan:
 
 
 @dataclass(frozen=True)
+class Tile:
+    """The launch of one M class: (BLOCK_N, BLOCK_K) for a weight with many rows, warps, pipelining depth
+    (`num_stages`; the NVFP4 kernels load `stages - 1` K steps ahead themselves) and, on the dot path,
+    `swap_ab`: a dot tile of 64 rows or more computes (W x^T)^T, the weight tile the dot's first operand."""
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+    swap_ab: bool = False
+
+
+@dataclass(frozen=True)
 class TileTable:
-    """Tile sizes of one weight format: (BLOCK_N, BLOCK_K) by M class, M = 1 (FMA) and M <= 16, M <= 32
-    (tl.dot), for weights with many rows (LM heads). A weight with fewer than `min_tiles` N tiles (M = 1)
-    or `min_tiles_dot` (tl.dot) gets half the rows and twice the K per tile until it has them (BLOCK_K up to
-    `max_block_k_fma` / `max_block_k_dot`, BLOCK_N down to 1 / `min_block_n_dot`). Split-K then adds K
-    slices while the N tiles are fewer than one per SM (M = 1) or `dot_programs` (at most 8 slices).
-    `swap_ab` (M <= 16, M <= 32): a dot tile of 64 rows or more computes (W x^T)^T, the weight tile the
-    dot's first operand; `dot_stages` (M <= 16, M <= 32): software-pipelining depth of the dot loop.
-    BLOCK_K counts weight elements. The values are the fastest of the H200 sweeps of 2026-12-02 and -03
-    (`scripts/tune_gemv.py`: CUDA graphs, weights rotated past the L2) at 151936 x 2048, 8192 x 2048 and
-    2048 x 4096."""
-    m1: tuple[int, int]
-    m16: tuple[int, int]
-    m32: tuple[int, int]
+    """The tiles of one weight format by M class: M = 1 (`m1`, the GEMV), 2 to `max_gemv_m` (`rows`, the GEMV
+    of several rows; m1's when None), M <= 16 and M <= 32 (`m16`, `m32`: tl.dot), for weights with many rows
+    (LM heads). A weight with fewer than `min_tiles` N tiles (GEMV) or `min_tiles_dot` (tl.dot) gets half
+    the rows and twice the K per tile until it has them (BLOCK_K up to `max_block_k_fma` / `max_block_k_dot`,
+    BLOCK_N down to 1 / `min_block_n_dot`). Split-K then adds K slices while the N tiles are fewer than one
+    per SM (GEMV) or `dot_programs` (at most 8 slices). BLOCK_K counts weight elements. The values are the
+    fastest of the H200 sweeps of 2026-12-02 and -03 (`scripts/tune_gemv.py`: CUDA graphs, weights rotated
+    past the L2) at 151936 x 2048, 8192 x 2048 and 2048 x 4096."""
+    m1: Tile
+    m16: Tile
+    m32: Tile
+    rows: Tile | None = None
+    max_gemv_m: int = 1
     min_tiles: int = 1024
     min_tiles_dot: int = 2 * _SM_COUNT_H200
     max_block_k_fma: int = 2048
@@ -84,14 +96,12 @@ class TileTable:
     dot_programs: int = 256
     min_block_k: int = 16                       # the smallest BLOCK_K: a GPU tl.dot needs K >= 16
     min_block_n_dot: int = 32
-    swap_ab: tuple[bool, bool] = (False, False)
-    dot_stages: tuple[int, int] = (3, 3)
 
 
-TILES_16BIT = TileTable(m1=(2, 1024), m16=(128, 128), m32=(128, 128))
+TILES_16BIT = TileTable(m1=Tile(2, 1024), m16=Tile(128, 128), m32=Tile(128, 128))
 # FP8 with the NVFP4 rules (64-row swapped tiles at M = 32, 16-row tiles on small weights) ran slower on 5
 # of the 10 M = 8 / 32 shapes of the 2026-12-03 benchmark (2048 x 4096, M = 8: 9.7 against 7.6 us): kept.
-TILES_FP8 = TileTable(m1=(16, 256), m16=(64, 256), m32=(128, 128))
+TILES_FP8 = TileTable(m1=Tile(16, 256), m16=Tile(64, 256), m32=Tile(128, 128))
 _MAX_SPLITS = 8
 
 
@@ -113,14 +123,15 @@ def _block_m(m: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16BIT, max_gemv_m: int = 1) -> GemvPlan:
-    """Tiles from `tiles` by M class, narrowed for weights with few rows as `TileTable` says; BLOCK_K
+def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16BIT) -> GemvPlan:
+    """The launch of `tiles`' M class, narrowed for weights with few rows as `TileTable` says; BLOCK_K
     shrinks to K (rounded up to a power of two, at least `tiles.min_block_k`); `split_k` adds K slices
-    where the N tiles alone leave SMs idle. M up to `max_gemv_m` runs as a GEMV on the CUDA cores (block_m
-    M rounded up to a power of two, the M = 1 tiles), larger M on the tensor cores."""
-    bm = 1 << (m - 1).bit_length() if m <= max_gemv_m else _block_m(m)
+    where the N tiles alone leave SMs idle. M up to `tiles.max_gemv_m` runs as a GEMV on the CUDA cores
+    (block_m M rounded up to a power of two), larger M on the tensor cores."""
+    bm = 1 << (m - 1).bit_length() if m <= tiles.max_gemv_m else _block_m(m)
     gemv = bm < 16
-    bn, bk = tiles.m1 if gemv else tiles.m16 if bm == 16 else tiles.m32
+    tile = (tiles.m1 if bm == 1 else tiles.rows or tiles.m1) if gemv else tiles.m16 if bm == 16 else tiles.m32
+    bn, bk = tile.block_n, tile.block_k
     min_tiles, min_bn, max_bk, programs = ((tiles.min_tiles, 1, tiles.max_block_k_fma, _SM_COUNT_H200) if gemv
                                            else (tiles.min_tiles_dot, tiles.min_block_n_dot, tiles.max_block_k_dot,
                                                  tiles.dot_programs))
@@ -129,11 +140,8 @@ def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16B
     bk = min(bk, max(tiles.min_block_k, triton.next_power_of_2(max(k, 1))))
     n_tiles = triton.cdiv(n, bn)
     splits = min(triton.cdiv(programs, n_tiles), _MAX_SPLITS) if split_k else 1
-    if gemv:
-        return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm)
-    cls = 0 if bm == 16 else 1
-    return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm, num_stages=tiles.dot_stages[cls],
-                     swap_ab=tiles.swap_ab[cls] and bn >= 64)
+    return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm, num_warps=tile.warps, num_stages=tile.stages,
+                     swap_ab=tile.swap_ab and not gemv and bn >= 64)
 
 
 # --- kernels -------------------------------------------------------------------------------------------------

@@ -19,15 +19,19 @@ read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j 
   and pairs each row (its own power of two), each block's words are decoded to fp16 pairs once for all the
   rows (`_block_f16x2`) and each row adds only its fmas (`_block_sum_f16x2`); row m equals the M = 1
   kernel on x[m] bit for bit.
-- after x's pass, both fp16-sum GEMVs are programmatic dependent launches on sm_90 and later
+- after x's pass, both fp16-sum GEMVs and the fp16 dot are programmatic dependent launches on sm_90 and later
   (`linear.x_pass_pdl`): their programs start while the pass runs and wait for it (`gdc_wait`) before
   anything else.
 - M = 1 otherwise (`_gemv_nvfp4_kernel`: fp32 x, and programs of few rows), exact fp32 FMAs:
   `_e2m1_words_to_e4m3` turns a word into two words of E4M3 bytes the same way, the hardware widens them to
   fp32 through fp16 (the interpreter, which has no inline asm, decodes the same bits through fp16), each
   16-element block's sum times its scale once.
-- 1 <= M <= 32 (`_gemm_nvfp4_kernel`, the planner's from M = 2 wherever the GEMV of several rows does
-  not run), tensor cores: `_e2m1x8_scaled`
+- 1 <= M <= 32 with 16-bit x on the LM heads (`_gemm_nvfp4_f16_kernel`, `uses_f16_dot`: the planner's from
+  M = 5 there), tensor cores in fp16: after x's pass, x's pairs read as fp16 are the dot's x, each word decoded
+  as the M = 1 kernel does (6 integer ops, 4 widenings) and its pairs multiplied by the block scale in fp16x2,
+  exact, in the pairs' element order; 3.2-4.0 sm_90 instructions an element against the kernel below's 4.8.
+- 1 <= M <= 32 otherwise (`_gemm_nvfp4_kernel`, the planner's from M = 2 wherever neither the GEMV of several
+  rows nor the fp16 dot runs), tensor cores: `_e2m1x8_scaled`
   builds bf16 pairs from the word with two shifts and masks a pair (elements i and i + 4, whose nibbles
   lie 16 bits apart), each the E2M1 value times 2^-126, and one bf16x2 multiply by the block scale times
   2^118 makes them E2M1 * scale * 2^-8, exact; the dot takes them in that order (0, 4, 1, 5, 2, 6, 3, 7
@@ -51,6 +55,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.kernels.linear import (
     GemvPlan,
+    Tile,
     TileTable,
     amax_exponent,
     check_out,
@@ -58,7 +63,6 @@ from mtpfactory.kernels.linear import (
     dot_result,
     dot_zeros,
     lowp_dot,
-    make_plan,
     partial_buffer,
     plan_for,
     splitk_reduce,
@@ -85,13 +89,14 @@ linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native)
 # one step ahead: 151936 x 2048 58.9 us, 154880 x 4096 122.8 (128 x 256: 58.6 / 134.4; 32 x 256: 64.5 /
 # 121.8; 2 warps 58.1 / 130.5; 8 warps slower); looking ahead at the words only, not x: 61.4 / 115.1. The
 # fp32 GEMV it replaces for 16-bit x: 76.5 / 146.8. Those were before x's pass; with it, the LM heads take
-# `LM_HEAD_GEMV_TILE`.
+# `TILES_NVFP4_LM_HEAD`.
 # The tensor-core kernel, 2026-12-03: 64-row tiles, the decoded tile the dot's first operand, K steps of
 # 256, loads one step ahead (151936 x 2048: 119.7 us at M = 8, 137.8 at M = 32; 128-row or shorter-K tiles
 # 130-148 us); weights with fewer than 128 such tiles narrow to 32 and 16 rows and split K (8192 x 2048,
 # M = 32: 12.5 us at (64, 256) in 2 slices; 2048 x 4096, M = 32: 13.7 at (16, 256) in 2).
-TILES_NVFP4 = TileTable(m1=(64, 256), m16=(64, 256), m32=(64, 256), min_tiles=512, min_block_k=32,
-                        min_tiles_dot=128, min_block_n_dot=16, swap_ab=(True, True), dot_stages=(2, 2))
+TILES_NVFP4 = TileTable(m1=Tile(64, 256), m16=Tile(64, 256, stages=2, swap_ab=True),
+                        m32=Tile(64, 256, stages=2, swap_ab=True), min_tiles=512, min_block_k=32, min_tiles_dot=128,
+                        min_block_n_dot=16)
 
 
 @triton.jit
@@ -747,19 +752,124 @@ def _gemm_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, 
     store_tile(acc, out_ptr, part_ptr, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om, stride_on, SPLIT)
 
 
+# E2M1 -> fp16 times the block scale for the fp16 tensor-core kernel, on the GPU: $8 a word, $9 its block's
+# scale as an fp16 pair (both halves). The GEMV's decode (`_e2m1_word_f16x2_ptx`: fp16 pairs of E2M1 * 2^-6),
+# then one fp16x2 multiply a pair by the scale, exact (at most 6 significant bits, at least 2^-20: fp16
+# holds it). Outputs: $0..$7 = elements 0, 2, 4, 6, 1, 3, 5, 7 of the word, the order of x's pass's pairs.
+_E2M1X8_F16_SCALED_PTX = tl.constexpr(
+    "{\n    .reg .b32 v, a, b, e, o, h0, h1, h2, h3;\n    .reg .b16 l0, l1, l2, l3;"
+    + _e2m1_word_f16x2_ptx("$8", _H)
+    + "".join(f"\n    mul.rn.f16x2 h{i}, h{i}, $9;\n    mov.b32 {{${2 * i}, ${2 * i + 1}}}, h{i};" for i in range(4))
+    + "\n}")
+
+
+@triton.jit
+def _e2m1x8_f16_scaled(w, scale, USE_ASM: tl.constexpr):
+    """int32 words of 8 E2M1 codes and each word's block scale (`_f16_scale_operand`) -> the word's elements
+    0, 2, 4, 6, 1, 3, 5, 7, each E2M1 * 2^-6 * scale, exact in fp16: fp16 from `_E2M1X8_F16_SCALED_PTX` on the
+    GPU; in the interpreter fp32 of the same values (the same E4M3 bytes widened through fp16 bits)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm=_E2M1X8_F16_SCALED_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, scale],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        even, odd = _e2m1_words_to_e4m3(w)
+        e0, e2, e4, e6 = _e4m3x4_f32(even, USE_ASM)
+        e1, e3, e5, e7 = _e4m3x4_f32(odd, USE_ASM)
+        return e0 * scale, e2 * scale, e4 * scale, e6 * scale, e1 * scale, e3 * scale, e5 * scale, e7 * scale
+
+
+@triton.jit
+def _f16_scale_operand(sb, USE_ASM: tl.constexpr):
+    """E4M3 scale bytes (uint8) -> the block scale as `_e2m1x8_f16_scaled` takes it: an fp16 pair (int32
+    bits, both halves) on the GPU, fp32 in the interpreter. Exact: E4M3 values lie inside fp16's range."""
+    s = sb.to(tl.float8e4nv, bitcast=True)
+    if USE_ASM:
+        return (s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) * 0x10001
+    else:
+        return s.to(tl.float32)
+
+
+@triton.jit
+def _gemm_f16_load_step(w_rows, s_rows, x_rows, mask_n, mask_m, kk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step of `_gemm_nvfp4_f16_kernel` from element kk on: the words [BN, BK/8], scale bytes
+    [BN, BK/16] and x's fp16 [BM, BK] (x's pass's pairs; EVEN_K: the step lies inside K, no K masks)."""
+    word = kk // 8 + tl.arange(0, BLOCK_K // 8)
+    blk = kk // 16 + tl.arange(0, BLOCK_K // 16)
+    offs_k = kk + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        wv = tl.load(w_rows + word[None, :])
+        sb = tl.load(s_rows + blk[None, :])
+        xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+    else:
+        wv = tl.load(w_rows + word[None, :], mask=(word < K // 8)[None, :], other=0)
+        sb = tl.load(s_rows + blk[None, :], mask=(blk < K // 16)[None, :], other=0)
+        xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+    return wv, sb, xv
+
+
+@triton.jit
+def _gemm_nvfp4_f16_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
+                           stride_wn, stride_sn, stride_om, stride_on,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           AHEAD: tl.constexpr, EVEN_K: tl.constexpr, LOWP_DOT: tl.constexpr,
+                           SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+    """1 <= M <= 32 rows of 16-bit x on the tensor cores in fp16: x16 is x's pass's pairs read as fp16 [M, K]
+    (`_x_f16_pairs_kernel`: row m's K slice s times 2^exp[m, s], each word's elements in the order 0, 2, 4,
+    6, 1, 3, 5, 7); each word of the weight is decoded in that order to fp16 E2M1 * 2^-6 times its block scale
+    (`_e2m1x8_f16_scaled`, exact), so the dot multiplies exactly what the reference does and sums in fp32; 2^(6
+    - e) and `weight_scale_2` multiply the sums once. Rows past N read row N - 1 (stored nowhere). The loads run
+    AHEAD (0 or 1) K steps before the decode that uses them. PDL: launched beside x's pass (`x_pass_pdl`)."""
+    W: tl.constexpr = BLOCK_K // 8                                   # words of a K tile
+    NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
+    if PDL:   # launched beside x's pass: its pairs are read after it ends
+        gdc_wait()
+    pid_k = tl.program_id(1)
+    offs_n, mask_n, w_rows, s_rows = _gemv_rows(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
+    mask_m = offs_m < M
+    x_rows = x16_ptr + offs_m[:, None] * K                           # [BM, 1]
+    k_start = pid_k * k_per_split
+    k_last = k_per_split - BLOCK_K                                   # the last step in the slice
+    if AHEAD:
+        wv, sb, xv = _gemm_f16_load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start, K, BLOCK_K, EVEN_K)
+    acc = dot_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        if AHEAD:   # the next step's operands in flight while this one computes (the last step reloads itself)
+            nxt = _gemm_f16_load_step(w_rows, s_rows, x_rows, mask_n, mask_m,
+                                      k_start + tl.minimum(k0 + BLOCK_K, k_last), K, BLOCK_K, EVEN_K)
+        else:
+            wv, sb, xv = _gemm_f16_load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start + k0, K, BLOCK_K,
+                                             EVEN_K)
+        scale = _f16_scale_operand(sb, USE_ASM)                      # [BN, NB]
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, NB, 2]), [BLOCK_N, W])   # per word
+        o0, o1, o2, o3, o4, o5, o6, o7 = _e2m1x8_f16_scaled(wv, scale, USE_ASM)                 # [BN, W] each
+        # tl.join stacks on a new last axis: this nesting puts output f at flattened position f of its word
+        t = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
+        w = tl.reshape(t, [BLOCK_N, BLOCK_K])                        # [BN, BK], K in x16's order
+        acc = dot_acc(xv, w, acc, tl.float16, LOWP_DOT, SWAP_AB)
+        if AHEAD:
+            wv, sb, xv = nxt
+    acc = dot_result(acc, SWAP_AB)                                   # [BM, BN]
+    e = tl.load(exp_ptr + offs_m * tl.num_programs(1) + pid_k, mask=mask_m, other=0)
+    acc = times_pow2(acc, 6 - e[:, None])                            # the decode's 2^-6 and x's 2^e undone
+    if not SPLIT:
+        acc = acc * tl.load(s2_ptr)
+    store_tile(acc, out_ptr, part_ptr, pid_k, offs_m, offs_n, mask_m, mask_n, M, N, stride_om, stride_on, SPLIT)
+
+
 # The fp16-sum GEMV scans its K slice of x once per program for the scale; on programs of fewer rows than
 # this the scan outweighs the rows' work and the fp32 GEMV is faster (2026-12-03: 2048 x 4096, planned at
 # 4 rows a program, 7.5 us against 5.6; 512 x 2048 at 1 row, 4.7 against 3.3).
 F16_GEMV_MIN_ROWS = 16
 
-# 16-bit x of up to GEMV_MAX_ROWS rows times a weight of GEMV_ROWS_MIN_ELEMENTS or more (the LM heads) runs
-# the GEMV of several rows (`_gemv_nvfp4_rows_kernel`) rather than the tensor cores, whose kernel pads M to
-# 16 and is bound by its shared-memory round trip. H200, 151936 x 2048 (BENCHMARKS.md, 2026-12-03 sixth
-# run): M = 2 63.1 us and M = 4 88.3 against 115.1 and 115.7 on the tensor cores; M = 8 150.8 against 116.7.
-# On 8192 x 2048 (2^24) the tensor cores stay ahead from M = 4 (11.2 us against 13.1): x's pass is one more
-# launch there, on a call that short.
+# 16-bit x of up to GEMV_MAX_ROWS rows on the LM heads runs the GEMV of several rows
+# (`_gemv_nvfp4_rows_kernel`) rather than the tensor cores, whose kernel pads M to 16 and is bound by its
+# shared-memory round trip. H200, 151936 x 2048 (BENCHMARKS.md, 2026-12-03 sixth run): M = 2 63.1 us and M = 4
+# 88.3 against 115.1 and 115.7 on the tensor cores; M = 8 150.8 against 116.7. On 8192 x 2048 (2^24) the
+# tensor cores stay ahead from M = 4 (11.2 us against 13.1): x's pass is one more launch there, on a call
+# that short.
 GEMV_MAX_ROWS = 4
-GEMV_ROWS_MIN_ELEMENTS = 1 << 26
 ROWS_KERNEL_MAX = 8                          # what the kernel takes (explicit plans: tests, sweeps)
 
 
@@ -770,22 +880,30 @@ def uses_f16_gemv(x: torch.Tensor, plan: GemvPlan) -> bool:
             and (x.shape[0] > 1 or plan.block_n >= F16_GEMV_MIN_ROWS))
 
 
-# The 16-bit-x GEMV of weights of this many elements or more scales and pairs x in a pass of its own
-# (`_x_f16_pairs_kernel`) instead of in every program: one more launch, but no scan of x in each program and
-# no conversion of x in its K loop.
-X_PASS_MIN_ELEMENTS = 1 << 26
+# 16-bit x on weights of this many elements or more (the LM heads) runs x's pass first at every M
+# (`_x_f16_pairs_kernel`: x scaled and paired once per call instead of in every program, one more launch) and
+# takes `TILES_NVFP4_LM_HEAD`.
+LM_HEAD_MIN_ELEMENTS = 1 << 26
 
 
 def uses_x_pass(n: int, k: int) -> bool:
-    """Whether the 16-bit-x GEMV of an [n, k] weight runs x's pass first (`X_PASS_MIN_ELEMENTS`)."""
-    return n * k >= X_PASS_MIN_ELEMENTS
+    """Whether 16-bit x times an [n, k] weight runs x's pass first at M = 1 (`LM_HEAD_MIN_ELEMENTS`; the GEMV
+    of several rows always does)."""
+    return n * k >= LM_HEAD_MIN_ELEMENTS
 
 
-# M = 1 with 16-bit x on the weights x's pass serves (the LM heads): (BLOCK_N, BLOCK_K, warps). The same K
-# loop as TILES_NVFP4's 64 x 256 with 4 warps (2.73 instructions an element, 96 registers), half the rows a
-# program: ahead in every H200 sweep of both (151936 x 2048: 50.1-50.2 us against 50.9-51.0 in three
-# processes, and 56.2 against 56.9 a run before; 154880 x 4096: 106.7 against 106.8).
-LM_HEAD_GEMV_TILE = (32, 256, 2)
+# 16-bit x on the LM heads (`LM_HEAD_MIN_ELEMENTS`), never narrowed (they have thousands of tiles):
+# - one row, 32 x 256 with 2 warps, one step ahead: the same K loop as TILES_NVFP4's 64 x 256 with 4 warps
+#   (2.73 instructions an element, 96 registers), half the rows a program, ahead in every H200 sweep of both
+#   (151936 x 2048: 50.1-50.2 us against 50.9-51.0 in three processes, and 56.2 against 56.9 a run before;
+#   154880 x 4096: 106.7 against 106.8); 2 to GEMV_MAX_ROWS rows without look-ahead (the registers go to the
+#   rows' sums: M = 4, 64 x 256: 88.5 us, 96.2 loading one step ahead).
+# - M >= 5, the fp16 dot on x's pass's pairs (`_gemm_nvfp4_f16_kernel`): at M = 32, 64 x 128 with 4 warps,
+#   one step ahead: 130.8 us on 151936 x 2048 and 265.7 on 154880 x 4096, against 140.7 and 280.9 for the
+#   bf16 dot at its 64 x 256 (tune_gemv.py, 2026-12-03; 128 x 64 with 8 warps: 125.7 and 270.9).
+TILES_NVFP4_LM_HEAD = dataclasses.replace(
+    TILES_NVFP4, m1=Tile(32, 256, warps=2, stages=2), rows=Tile(64, 256, stages=1),
+    m32=Tile(64, 128, stages=2, swap_ab=True), max_gemv_m=GEMV_MAX_ROWS, min_tiles=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -816,10 +934,18 @@ class XPairs:
                              "with the plan's `x_pass_split`, or pass x_pairs=None")
 
 
+def uses_f16_dot(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
+    """Whether a tensor-core plan runs the fp16 dot on x's pass's pairs (`_gemm_nvfp4_f16_kernel`: 16-bit x
+    on the LM heads, `LM_HEAD_MIN_ELEMENTS`), not the bf16 dot that decodes with shifts and reads x itself
+    (`_gemm_nvfp4_kernel`: on smaller weights x's pass would cost more than the dot saves, 8192 x 2048 at
+    M = 32: 14.6 us against 13.3)."""
+    return plan.use_dot and x.dtype in (torch.bfloat16, torch.float16) and uses_x_pass(n, k)
+
+
 def runs_x_pass(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
-    """Whether the call runs x's pass before its GEMV: the fp16-sum GEMVs of several rows always, of one row
-    on a large weight (`uses_x_pass`)."""
-    return uses_f16_gemv(x, plan) and (x.shape[0] > 1 or uses_x_pass(n, k))
+    """Whether the call runs x's pass first: the fp16-sum GEMVs of several rows always, of one row and the
+    fp16 dot on the LM heads (`uses_x_pass`)."""
+    return (uses_f16_gemv(x, plan) and (x.shape[0] > 1 or uses_x_pass(n, k))) or uses_f16_dot(x, n, k, plan)
 
 
 def x_pass_split(x: torch.Tensor, n: int, k: int, split_k: bool) -> int | None:
@@ -830,27 +956,16 @@ def x_pass_split(x: torch.Tensor, n: int, k: int, split_k: bool) -> int | None:
 
 
 def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool) -> GemvPlan:
-    """The planner's tiles for x [M, K] times an [n, k] NVFP4 weight: 16-bit x of up to GEMV_MAX_ROWS rows
-    on a large weight as the GEMV of several rows, without look-ahead (its registers go to the rows' sums:
-    151936 x 2048, M = 4, 64 x 256 tiles: 88.5 us, 96.2 loading one step ahead); one row of it on
-    `LM_HEAD_GEMV_TILE`."""
-    x16 = x.dtype in (torch.bfloat16, torch.float16)
-    return _default_plan(x.shape[0], n, k, split_k, GEMV_MAX_ROWS if x16 and n * k >= GEMV_ROWS_MIN_ELEMENTS else 1,
-                         LM_HEAD_GEMV_TILE if x16 and uses_x_pass(n, k) else None)
+    """The planner's tiles for x [M, K] times an [n, k] NVFP4 weight: `TILES_NVFP4_LM_HEAD` for 16-bit x on
+    the LM heads (`LM_HEAD_MIN_ELEMENTS`), else `TILES_NVFP4`."""
+    return _default_plan(x.shape[0], n, k, split_k, x.dtype in (torch.bfloat16, torch.float16) and uses_x_pass(n, k))
 
 
 @functools.lru_cache(maxsize=1024)
-def _default_plan(m: int, n: int, k: int, split_k: bool, max_gemv_m: int,
-                  one_row_tile: tuple[int, int, int] | None) -> GemvPlan:
-    """`default_plan` from plain values (the module's thresholds read by the caller), cached: it runs on
-    every call."""
-    plan = plan_for(m, n, k, split_k, TILES_NVFP4, max_gemv_m)
-    if 1 < plan.block_m < 16:
-        return dataclasses.replace(plan, num_stages=1)
-    if plan.block_m == 1 and one_row_tile:
-        block_n, block_k, warps = one_row_tile
-        return make_plan(1, n, k, block_n, block_k, splits=plan.splits, block_m=1, num_warps=warps, num_stages=2)
-    return plan
+def _default_plan(m: int, n: int, k: int, split_k: bool, lm_head: bool) -> GemvPlan:
+    """`default_plan` from plain values (the module's threshold read by the caller), cached: it runs on every
+    call."""
+    return plan_for(m, n, k, split_k, TILES_NVFP4_LM_HEAD if lm_head else TILES_NVFP4)
 
 
 def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -889,24 +1004,31 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         if not x_pass:
             raise ValueError(f"x_pairs: given for [{m}, {k}] {x.dtype} x on an [{n}, {k}] weight, whose plan runs no "
                              "x pass (the fp16-sum GEMV of several rows, or of one row on a weight of "
-                             f"{X_PASS_MIN_ELEMENTS} elements or more, does): pass x_pairs=None")
+                             f"{LM_HEAD_MIN_ELEMENTS} elements or more, does): pass x_pairs=None")
         x_pairs.check(m, k, plan.k_per_split, x.device)
     part = partial_buffer(plan, m, n, x)
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     scale_2 = weight_scale_2.reshape(1)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
-    if uses_f16_gemv(x, plan):
-        pairs, exps = words, words                                   # read only with x's pass
-        pdl = x_pass and x_pass_pdl(x)
-        if x_pairs is not None:
-            pairs, exps = x_pairs.pairs, x_pairs.exps
-        elif x_pass:
-            made = XPairs.empty(m, k, plan.k_per_split, x.device)
-            pairs, exps = made.pairs, made.exps
-            _x_f16_pairs_kernel[(plan.splits, m)](x, pairs, exps, k, plan.k_per_split, x.stride(0), x.stride(1),
-                                                  BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda,
-                                                  PDL=pdl, num_warps=8)
+    pairs, exps = words, words                                       # read only with x's pass
+    pdl = x_pass and x_pass_pdl(x)
+    if x_pairs is not None:
+        pairs, exps = x_pairs.pairs, x_pairs.exps
+    elif x_pass:
+        made = XPairs.empty(m, k, plan.k_per_split, x.device)
+        pairs, exps = made.pairs, made.exps
+        _x_f16_pairs_kernel[(plan.splits, m)](x, pairs, exps, k, plan.k_per_split, x.stride(0), x.stride(1),
+                                              BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda,
+                                              PDL=pdl, num_warps=8)
+    if uses_f16_dot(x, n, k, plan):
+        _gemm_nvfp4_f16_kernel[grid](
+            pairs.view(torch.float16), exps, words, scale_bits, scale_2, out, part if part is not None else out,
+            m, n, k, plan.k_per_split, words.stride(0), scale_bits.stride(0), out.stride(0), out.stride(1),
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, AHEAD=plan.num_stages > 1,
+            EVEN_K=k % plan.k_per_split == 0, LOWP_DOT=lowp_dot(x), SWAP_AB=plan.swap_ab, SPLIT=part is not None,
+            USE_ASM=x.is_cuda, PDL=pdl, num_warps=plan.num_warps, num_stages=1, launch_pdl=pdl)
+    elif uses_f16_gemv(x, plan):
         if m > 1:
             _gemv_nvfp4_rows_kernel[grid](
                 pairs, exps, words, scale_bits, scale_2, out, part if part is not None else out, n, k,

@@ -35,7 +35,7 @@ from triton.compiler.compiler import ASTSource
 linear = importlib.import_module("mtpfactory.kernels.linear")
 linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
 
-_PTRS = ("x_ptr", "pairs_ptr", "exp_ptr", "w_ptr", "scale_ptr", "s_ptr", "s2_ptr", "out_ptr", "part_ptr")
+_PTRS = ("x_ptr", "x16_ptr", "pairs_ptr", "exp_ptr", "w_ptr", "scale_ptr", "s_ptr", "s2_ptr", "out_ptr", "part_ptr")
 _DIVISIBLE = _PTRS + ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_om")
 _UNIT = ("stride_xk", "stride_on")          # Triton's launcher specializes an integer argument equal to 1
 
@@ -53,6 +53,10 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
     if fmt == "nvfp4":
         types = {"x_ptr": "*bf16", "pairs_ptr": "*i32", "exp_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8",
                  "s2_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32"}
+        if dot and x_pass:                                           # 16-bit x on the LM heads (`uses_f16_dot`)
+            return (linear_nvfp4._gemm_nvfp4_f16_kernel, {**types, "x16_ptr": "*fp16"},
+                    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, AHEAD=stages > 1, EVEN_K=True, LOWP_DOT=True,
+                         SWAP_AB=swap, SPLIT=False, USE_ASM=True, PDL=True))
         if dot:
             return (linear_nvfp4._gemm_nvfp4_kernel, types,
                     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, AHEAD=max(1, min(stages - 1, 2)), EVEN_K=True,
@@ -129,7 +133,8 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--x-pass", action="store_true",
                     help="nvfp4-gemv: x paired by its own pass (`uses_x_pass`: the LM heads), not in the K loop; "
-                         "fp8-gemm: x in fp16 from its own pass (`F16_DOT_MIN_ELEMENTS`), the dot in fp16")
+                         "fp8-gemm: x in fp16 from its own pass (`F16_DOT_MIN_ELEMENTS`), the dot in fp16; "
+                         "nvfp4-gemm: the fp16 dot on x's pass's pairs (`uses_f16_dot`), not the bf16 one")
     ap.add_argument("--sass", default=None, help="also write the whole disassembly here")
     args = ap.parse_args()
     dot = args.kernel.endswith("gemm")

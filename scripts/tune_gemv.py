@@ -11,6 +11,7 @@ A time budget keeps it inside one device call; every result is appended to the J
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import itertools
 import json
@@ -90,8 +91,8 @@ def main() -> int:
                 def run(plan, x_pass=None):
                     if time.monotonic() > t_end:
                         return None
-                    if x_pass is not None:   # force x's pass on or off (NVFP4 GEMV, FP8 dot in fp16)
-                        setattr(*x_pass_switch, 0 if x_pass else 1 << 62)
+                    if x_pass is not None:   # force x's pass on or off (NVFP4 GEMV and fp16 dot, FP8 dot in fp16)
+                        setattr(x_pass_switch[0], x_pass_switch[1], x_pass_switch[2 if x_pass else 3])
                     try:
                         y = call(x, w0, plan)
                         err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
@@ -108,9 +109,11 @@ def main() -> int:
                     results.append((us, plan, x_pass))
                     return us
 
-                x_pass_switch = ((linear_nvfp4, "X_PASS_MIN_ELEMENTS") if fname == "nvfp4" else
-                                 (linear, "F16_DOT_MIN_ELEMENTS"))
-                shipped_x_pass = getattr(*x_pass_switch)
+                # (module, switch, its value with x's pass, without)
+                x_pass_switch = ((linear_nvfp4, "LM_HEAD_MIN_ELEMENTS", 0, 1 << 62) if fname == "nvfp4" else
+                                 (linear, "F16_DOT_MIN_ELEMENTS", 0, 1 << 62))
+                shipped_x_pass = getattr(*x_pass_switch[:2])
+                grid_x_pass = None
                 if fname == "nvfp4" and m == 1:        # the GEMV, x's pass off and on
                     plans = [make_plan(m, n, k, bn, bk, block_m=1, num_warps=nw, num_stages=2)
                              for (bn, bk), nw in itertools.product(NVFP4_GEMV_TILES, (2, 4)) if bk <= k]
@@ -133,11 +136,15 @@ def main() -> int:
                             for (bn, bk), nw, st in itertools.product(NVFP4_ROWS_TILES, (2, 4, 8), (1, 2))
                             if bk <= k]
                     grid.append(plan_for(m, n, k, True, TILES_NVFP4))    # the tensor cores' plan, in the same run
-                elif fname == "nvfp4":                 # tensor cores
+                elif fname == "nvfp4":                 # tensor cores: the bf16 dot, then the fp16 dot's grid (x's pass)
+                    bf16_dot = plan_for(m, n, k, True, TILES_NVFP4)
+                    for st in (2, 3):                  # the bf16 dot on its tiles (one or two steps ahead)
+                        run(dataclasses.replace(bf16_dot, num_stages=st), False)
+                    shipped = linear_nvfp4.default_plan(x, n, k, True)   # the shipped plan, in the same run
                     grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=st, swap_ab=bn >= 64)
-                            for (bn, bk), nw, st in itertools.product(NVFP4_TILES, (4, 8), (2, 3)) if bk <= k]
-                    shipped = plan_for(m, n, k, True, TILES_NVFP4)        # the shipped plan, in the same run
+                            for (bn, bk), nw, st in itertools.product(NVFP4_TILES, (4, 8), (1, 2)) if bk <= k]
                     grid += [shipped] if shipped not in grid else []
+                    grid_x_pass = True                 # the fp16 dot (stages 2: one step ahead)
                 elif m == 1:
                     grid = [make_plan(m, n, k, bn, bk, block_m=1, num_warps=nw, num_stages=2)
                             for (bn, bk), nw in itertools.product(FMA_TILES, (4, 8)) if bk <= k]
@@ -146,8 +153,8 @@ def main() -> int:
                     grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=3, swap_ab=sw)
                             for (bn, bk), nw, sw in itertools.product(DOT_TILES, (4, 8), swaps)]
                 for p in grid:
-                    run(p)
-                setattr(*x_pass_switch, shipped_x_pass)
+                    run(p, grid_x_pass)
+                setattr(*x_pass_switch[:2], shipped_x_pass)
                 results.sort(key=lambda r: r[0])
                 for _, p, _ in results[:2] if grid else []:  # refine the two best: stages, swapped operands, K slices
                     d = dict(p.__dict__)

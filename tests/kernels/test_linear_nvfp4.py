@@ -31,6 +31,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
     default_plan,
     linear_nvfp4,
     linear_nvfp4_triton,
+    uses_f16_dot,
     uses_f16_gemv,
 )
 from mtpfactory.ops import Provider
@@ -131,7 +132,7 @@ def x_pass(request, monkeypatch):
     """The 16-bit-x GEMV with x scaled and paired in each program, or by its own pass first (every weight
     counts as large)."""
     if request.param:
-        monkeypatch.setattr(linear_nvfp4_module, "X_PASS_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
     return request.param
 
 
@@ -210,7 +211,7 @@ def test_gemv_rows_equal_the_m1_gemv_row_by_row(splits):
 
 
 def test_planned_gemv_rows():
-    """16-bit x of up to GEMV_MAX_ROWS rows on a weight of GEMV_ROWS_MIN_ELEMENTS or more plans the GEMV of
+    """16-bit x of up to GEMV_MAX_ROWS rows on a weight of LM_HEAD_MIN_ELEMENTS or more plans the GEMV of
     several rows (block_m M rounded up to a power of two, no look-ahead); fp32 x, more rows and smaller
     weights the tensor cores."""
     lm_head, q_proj = (151936, 2048), (8192, 2048)
@@ -267,6 +268,14 @@ def test_planned_nvfp4_tiles():
     assert (head.block_m, head.block_n, head.block_k, head.num_warps, head.num_stages, head.splits) == (
         1, 32, 256, 2, 2, 1)
     assert default_plan(torch.empty(1, 2048), 151936, 2048, True) == gemv                  # fp32 x: the table
+    # 16-bit x on the LM heads at M = 32: the fp16 dot's 64 x 128 (TILES_NVFP4_LM_HEAD); fp32 x and smaller
+    # weights keep TILES_NVFP4's
+    for dtype, (n, k), tile in ((torch.bfloat16, (154880, 4096), (64, 128)), (torch.float32, (151936, 2048),
+                                (64, 256)), (torch.bfloat16, (8192, 2048), (64, 256))):
+        x = torch.empty(32, k, dtype=dtype)
+        plan = default_plan(x, n, k, True)
+        assert (plan.block_n, plan.block_k, plan.num_stages, plan.swap_ab) == (*tile, 2, True), (dtype, n)
+        assert uses_f16_dot(x, n, k, plan) == (dtype == torch.bfloat16 and n > 8192), (dtype, n)
 
 
 @pytest.mark.parametrize("m,dtype,block_m", [(4, torch.float32, 4), (3, torch.bfloat16, 2), (2, torch.bfloat16, 1),
@@ -313,7 +322,7 @@ def test_gpu_matches_reference(dtype, m, n, k, split_k):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k,splits", [(4096, 2048, 1), (4096, 2048, 3), (1000, 4112, 2)])
 @pytest.mark.parametrize("x_scale", [1.0, 2.0**-100, 2.0**100], ids=lambda v: f"{v:g}")
-@pytest.mark.parametrize("block_n,warps", [(64, 4), (32, 2)])       # TILES_NVFP4's, LM_HEAD_GEMV_TILE's
+@pytest.mark.parametrize("block_n,warps", [(64, 4), (32, 2)])       # TILES_NVFP4's, TILES_NVFP4_LM_HEAD's
 def test_gpu_x_pass(n, k, splits, x_scale, block_n, warps, x_pass):
     """The 16-bit-x GEMV with x paired in its programs and by x's own pass, compiled: whole and partial K
     steps, in one slice or several, x of any size."""
@@ -335,8 +344,7 @@ def test_gpu_x_pass(n, k, splits, x_scale, block_n, warps, x_pass):
 def test_gpu_pdl_reads_this_calls_pairs(m, monkeypatch):
     """The GEMV launched beside x's pass (`x_pass_pdl`) reads the pairs of its own call (M = 1 and the rows
     GEMV, on the LM heads' plans)."""
-    monkeypatch.setattr(linear_nvfp4_module, "X_PASS_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(linear_nvfp4_module, "GEMV_ROWS_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
     n, k = 4096, 2048
     _, *w = nvfp4_inputs(1, n, k, torch.bfloat16, seed=m, device="cuda")
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2.0 ** (8 * (i % 3) - 8) for i in range(12)]

@@ -25,10 +25,9 @@ F16_SUM_RTOL = 2.0**-8   # the fp16-sum GEMV's bound (test_linear_nvfp4.py)
 
 @pytest.fixture
 def x_pass_everywhere(monkeypatch):
-    """Every weight counts as large, as the LM heads: up to GEMV_MAX_ROWS rows run the GEMV of several rows,
-    and one row runs x's pass too."""
-    monkeypatch.setattr(linear_nvfp4_module, "X_PASS_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(linear_nvfp4_module, "GEMV_ROWS_MIN_ELEMENTS", 0)
+    """Every weight counts as an LM head: up to GEMV_MAX_ROWS rows run the GEMV of several rows, one row runs
+    x's pass too, and more rows the fp16 dot on x's pass."""
+    monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
 
 
 def poisoned_pairs(m: int, k: int, k_per_split: int) -> XPairs:
@@ -87,14 +86,14 @@ def test_norm_refuses_pairs_it_cannot_make():
 
 def test_gemv_refuses_pairs_of_another_plan(x_pass_everywhere):
     """The GEMV takes only the pairs its plan's pass would make: other slices, or a plan without x's pass
-    (the tensor cores at M = 5), are refused naming x_pairs and what the call needs; out stays unwritten."""
+    (fp32 x on the tensor cores), are refused naming x_pairs and what the call needs; out stays unwritten."""
     x, *w = nvfp4_inputs(1, 33, 208, torch.bfloat16)
     out = torch.full((1, 33), float("nan"), dtype=torch.bfloat16)
     split = x_pass_split(x, 33, 208, True)
     with ops.use_backend("triton"):
         with pytest.raises(ValueError, match=f"x_pairs: .*k_per_split {split + 16}; .*k_per_split {split}"):
             linear_nvfp4_triton(x, *w, split_k=True, out=out, x_pairs=poisoned_pairs(1, 208, split + 16))
-        x5 = torch.randn(5, 208).to(torch.bfloat16)
+        x5 = torch.randn(5, 208)
         assert x_pass_split(x5, 33, 208, True) is None
         with pytest.raises(ValueError, match="x_pairs: given for .* whose plan runs no x pass"):
             linear_nvfp4_triton(x5, *w, split_k=True, x_pairs=poisoned_pairs(5, 208, 208))
@@ -110,15 +109,18 @@ def _inputs(m: int, n: int, k: int, seed: int, residual: bool):
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("m", [1, 3, 5])
-def test_fused_matches_reference_and_the_two_providers(m, residual, x_pass_everywhere):
-    """M = 1 and 3 (the norm makes x's pass: K = 208 in the plan's slices) and M = 5 (tensor cores, no pass):
-    the norm equals the reference's within test_rms_norm.py's bound (one 16-bit ulp, in at most 1% of the
-    elements), the sum exactly, the logits the reference's within the fp16-sum bound on the provider's own
-    norm; and everything equals rms_norm_triton then linear_nvfp4_triton bit for bit."""
+@pytest.mark.parametrize("m,lm_head", [(1, True), (3, True), (5, True), (1, False), (5, False)])
+def test_fused_matches_reference_and_the_two_providers(m, lm_head, residual, monkeypatch):
+    """On an LM head's plans (every weight counted as one) the norm makes x's pass for the GEMV at M = 1 and 3
+    and for the fp16 dot at M = 5 (K = 208 in the plan's slices); on a small weight's plans no call runs a
+    pass. The norm equals the reference's within test_rms_norm.py's bound (one 16-bit ulp, in at most 1% of
+    the elements), the sum exactly, the logits the reference's within the fp16-sum bound on the provider's
+    own norm; and everything equals rms_norm_triton then linear_nvfp4_triton bit for bit."""
+    if lm_head:
+        monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
     x, norm_w, w, res = _inputs(m, 33, 208, m, residual)
     args = (x, norm_w, 1e-6, True, *w)
-    assert (x_pass_split(x, 33, 208, True) is None) == (m == 5)
+    assert (x_pass_split(x, 33, 208, True) is not None) == lm_head
     with ops.use_backend("triton"):
         got = rms_norm_linear_nvfp4(*args, residual=res)
         normed = rms_norm_triton(x, norm_w, 1e-6, True, res)
@@ -174,8 +176,7 @@ def test_gpu_lm_head_after_its_norm(m):
 def test_gpu_pdl_reads_this_norms_pairs(m, monkeypatch):
     """The GEMV launched beside the norm (PDL) reads this call's pairs: 12 calls back to back in a CUDA graph
     equal the same calls launched one after another (`assert_pdl_reads_its_own_x`)."""
-    monkeypatch.setattr(linear_nvfp4_module, "X_PASS_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(linear_nvfp4_module, "GEMV_ROWS_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
     _, *w = nvfp4_inputs(1, 4096, 2048, torch.bfloat16, device="cuda")
     norm_w = torch.randn(2048, device="cuda").to(torch.bfloat16)
     xs = [torch.randn(m, 2048, device="cuda").to(torch.bfloat16) for _ in range(12)]
