@@ -16,6 +16,7 @@ element still misses by O(sum |x||w|).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -90,6 +91,46 @@ def test_tensor_core_path_loads_ahead(stages, splits):
     x, *w = nvfp4_inputs(5, 33, 208, torch.bfloat16, seed=stages)
     with ops.use_backend("triton"):
         check(x, *w, plan=make_plan(5, 33, 208, block_n=16, block_k=32, splits=splits, num_stages=stages))
+
+
+@pytest.fixture
+def lm_head(monkeypatch):
+    """Every weight counts as an LM head (`LM_HEAD_MIN_ELEMENTS`): 16-bit x on the tensor cores runs x's pass
+    and the fp16 dot (`_gemm_nvfp4_f16_kernel`)."""
+    monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
+
+
+@pytest.mark.parametrize("m,n,k,dtype", [(5, 33, 80, torch.bfloat16), (32, 130, 48, torch.bfloat16),
+                                         (17, 7, 48, torch.float16)], ids=str)
+def test_f16_dot_matches_reference(m, n, k, dtype, lm_head):
+    """The fp16 dot on explicit tiles (several N tiles and K chunks, the last of each partial; split-K over 2
+    or 3 slices, each with its own exponent; swapped operands), with and without look-ahead: exact products
+    summed in fp32, so the reference's bound (SUM_RTOL); bf16 rows 2^120 apart, each its own power of two."""
+    x, *w = nvfp4_inputs(m, n, k, dtype, seed=m * 100 + n)
+    if dtype == torch.bfloat16:                                      # fp16 holds no 2^60
+        x = (x.float() * torch.exp2(torch.tensor([60.0, -60.0] * 16)[:m, None])).to(dtype)
+    with ops.use_backend("triton"):
+        for plan in explicit_plans(m, n, k, first_block_k=32, fma_m=False):
+            for stages in (1, 2):
+                plan = dataclasses.replace(plan, num_stages=stages)
+                assert uses_f16_dot(x, n, k, plan)
+                check(x, *w, plan=plan)
+
+
+def test_f16_dot_decodes_every_code_and_scale_exactly(lm_head):
+    """Rows of the identity pick single columns through the fp16 dot, so every code and every E4M3 scale
+    (subnormal, zero, negative) must come out exactly, in its place: a misordered pair or nibble, a scale
+    on the wrong block, fails."""
+    weight, scale, scale_2 = _all_codes_and_scales()
+    w = dequantize_nvfp4(weight, scale, scale_2)                                        # [16, 256]
+    for first in (0, 224):
+        x = torch.eye(256, dtype=torch.bfloat16)[first:first + 32]
+        out = torch.full((32, 16), float("nan"), dtype=torch.bfloat16)
+        with ops.use_backend("triton"):
+            plan = default_plan(x, 16, 256, True)
+            assert uses_f16_dot(x, 16, 256, plan)
+            linear_nvfp4_triton(x, weight, scale, scale_2, out=out, split_k=True)
+        assert torch.equal(out, w.T[first:first + 32].to(torch.bfloat16))
 
 
 def _all_codes_and_scales():
