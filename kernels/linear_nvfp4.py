@@ -26,8 +26,8 @@ read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j 
   `_e2m1_words_to_e4m3` turns a word into two words of E4M3 bytes the same way, the hardware widens them to
   fp32 through fp16 (the interpreter, which has no inline asm, decodes the same bits through fp16), each
   16-element block's sum times its scale once.
-- 1 <= M <= 32 with 16-bit x on the LM heads (`_gemm_nvfp4_f16_kernel`, `uses_f16_dot`: the planner's from
-  M = 5 there), tensor cores in fp16: after x's pass, x's pairs read as fp16 are the dot's x, each word decoded
+- 17 <= M <= 32 with 16-bit x on the LM heads (`_gemm_nvfp4_f16_kernel`, `uses_f16_dot`: tiles of 32 rows
+  of x), tensor cores in fp16: after x's pass, x's pairs read as fp16 are the dot's x, each word decoded
   as the M = 1 kernel does (6 integer ops, 4 widenings) and its pairs multiplied by the block scale in fp16x2,
   exact, in the pairs' element order; 3.2-4.0 sm_90 instructions an element against the kernel below's 4.8.
 - 1 <= M <= 32 otherwise (`_gemm_nvfp4_kernel`, the planner's from M = 2 wherever neither the GEMV of several
@@ -898,7 +898,7 @@ def uses_x_pass(n: int, k: int) -> bool:
 #   (151936 x 2048: 50.1-50.2 us against 50.9-51.0 in three processes, and 56.2 against 56.9 a run before;
 #   154880 x 4096: 106.7 against 106.8); 2 to GEMV_MAX_ROWS rows without look-ahead (the registers go to the
 #   rows' sums: M = 4, 64 x 256: 88.5 us, 96.2 loading one step ahead).
-# - M >= 5, the fp16 dot on x's pass's pairs (`_gemm_nvfp4_f16_kernel`): at M = 32, 64 x 128 with 4 warps,
+# - M >= 17, the fp16 dot on x's pass's pairs (`_gemm_nvfp4_f16_kernel`): at M = 32, 64 x 128 with 4 warps,
 #   one step ahead: 130.8 us on 151936 x 2048 and 265.7 on 154880 x 4096, against 140.7 and 280.9 for the
 #   bf16 dot at its 64 x 256 (tune_gemv.py, 2026-12-03; 128 x 64 with 8 warps: 125.7 and 270.9).
 TILES_NVFP4_LM_HEAD = dataclasses.replace(
@@ -936,10 +936,12 @@ class XPairs:
 
 def uses_f16_dot(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
     """Whether a tensor-core plan runs the fp16 dot on x's pass's pairs (`_gemm_nvfp4_f16_kernel`: 16-bit x
-    on the LM heads, `LM_HEAD_MIN_ELEMENTS`), not the bf16 dot that decodes with shifts and reads x itself
-    (`_gemm_nvfp4_kernel`: on smaller weights x's pass would cost more than the dot saves, 8192 x 2048 at
-    M = 32: 14.6 us against 13.3)."""
-    return plan.use_dot and x.dtype in (torch.bfloat16, torch.float16) and uses_x_pass(n, k)
+    on the LM heads, `LM_HEAD_MIN_ELEMENTS`, tiles of 32 rows of x), not the bf16 dot that decodes with shifts
+    and reads x itself (`_gemm_nvfp4_kernel`). H200, 2026-12-03, 4 alternating rounds on 151936 x 2048: M = 32
+    130.6 us against 139.5; but M = 8 (tiles of 16 rows) 118.5 against 115.9; and on smaller weights x's pass
+    costs more than the dot saves (8192 x 2048, M = 32: 14.6 us against 13.3)."""
+    return (plan.use_dot and plan.block_m >= 32 and x.dtype in (torch.bfloat16, torch.float16)
+            and uses_x_pass(n, k))
 
 
 def runs_x_pass(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:

@@ -95,13 +95,13 @@ def test_tensor_core_path_loads_ahead(stages, splits):
 
 @pytest.fixture
 def lm_head(monkeypatch):
-    """Every weight counts as an LM head (`LM_HEAD_MIN_ELEMENTS`): 16-bit x on the tensor cores runs x's pass
-    and the fp16 dot (`_gemm_nvfp4_f16_kernel`)."""
+    """Every weight counts as an LM head (`LM_HEAD_MIN_ELEMENTS`): 16-bit x on tensor-core tiles of 32 rows
+    runs x's pass and the fp16 dot (`_gemm_nvfp4_f16_kernel`)."""
     monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
 
 
-@pytest.mark.parametrize("m,n,k,dtype", [(5, 33, 80, torch.bfloat16), (32, 130, 48, torch.bfloat16),
-                                         (17, 7, 48, torch.float16)], ids=str)
+@pytest.mark.parametrize("m,n,k,dtype", [(32, 33, 80, torch.bfloat16), (17, 130, 48, torch.bfloat16),
+                                         (20, 7, 48, torch.float16)], ids=str)
 def test_f16_dot_matches_reference(m, n, k, dtype, lm_head):
     """The fp16 dot on explicit tiles (several N tiles and K chunks, the last of each partial; split-K over 2
     or 3 slices, each with its own exponent; swapped operands), with and without look-ahead: exact products
@@ -115,6 +115,7 @@ def test_f16_dot_matches_reference(m, n, k, dtype, lm_head):
                 plan = dataclasses.replace(plan, num_stages=stages)
                 assert uses_f16_dot(x, n, k, plan)
                 check(x, *w, plan=plan)
+        assert not uses_f16_dot(x[:16], n, k, default_plan(x[:16], n, k, True))   # tiles of 16 rows: the bf16 dot
 
 
 def test_f16_dot_decodes_every_code_and_scale_exactly(lm_head):
@@ -317,6 +318,7 @@ def test_planned_nvfp4_tiles():
         plan = default_plan(x, n, k, True)
         assert (plan.block_n, plan.block_k, plan.num_stages, plan.swap_ab) == (*tile, 2, True), (dtype, n)
         assert uses_f16_dot(x, n, k, plan) == (dtype == torch.bfloat16 and n > 8192), (dtype, n)
+        assert not uses_f16_dot(x[:16], n, k, default_plan(x[:16], n, k, True))
 
 
 @pytest.mark.parametrize("m,dtype,block_m", [(4, torch.float32, 4), (3, torch.bfloat16, 2), (2, torch.bfloat16, 1),

@@ -26,7 +26,7 @@ F16_SUM_RTOL = 2.0**-8   # the fp16-sum GEMV's bound (test_linear_nvfp4.py)
 @pytest.fixture
 def x_pass_everywhere(monkeypatch):
     """Every weight counts as an LM head: up to GEMV_MAX_ROWS rows run the GEMV of several rows, one row runs
-    x's pass too, and more rows the fp16 dot on x's pass."""
+    x's pass too, and 17 or more rows the fp16 dot on x's pass."""
     monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
 
 
@@ -109,10 +109,10 @@ def _inputs(m: int, n: int, k: int, seed: int, residual: bool):
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("m,lm_head", [(1, True), (3, True), (5, True), (1, False), (5, False)])
+@pytest.mark.parametrize("m,lm_head", [(1, True), (3, True), (17, True), (1, False), (17, False)])
 def test_fused_matches_reference_and_the_two_providers(m, lm_head, residual, monkeypatch):
     """On an LM head's plans (every weight counted as one) the norm makes x's pass for the GEMV at M = 1 and 3
-    and for the fp16 dot at M = 5 (K = 208 in the plan's slices); on a small weight's plans no call runs a
+    and for the fp16 dot at M = 17 (K = 208 in the plan's slices); on a small weight's plans no call runs a
     pass. The norm equals the reference's within test_rms_norm.py's bound (one 16-bit ulp, in at most 1% of
     the elements), the sum exactly, the logits the reference's within the fp16-sum bound on the provider's
     own norm; and everything equals rms_norm_triton then linear_nvfp4_triton bit for bit."""
