@@ -976,10 +976,10 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     """x [M, K] @ dequantize_nvfp4(weight [N, K/2], weight_scale [N, K/16], weight_scale_2)^T -> [M, N] in
     x's dtype; arguments as `linear_triton` (a `plan`'s block_k must be a multiple of 16, its block_m at
     least M: 1, 2, 4 or 8 (the GEMVs; more than one row for 16-bit x only), 16 or 32 (the tensor cores); on
-    the tensor-core path its num_stages - 1, 1 or 2, is how many K steps ahead the kernel loads: Triton's own
-    pipeliner does not take loads that feed arithmetic before the dot; the fp16-sum GEMVs load one step
-    ahead when num_stages > 1). `x_pairs`: x's pass already made (`XPairs`, for a plan that runs one): the
-    GEMV reads them and the pass is not launched."""
+    the bf16 tensor-core path its num_stages - 1, 1 or 2, is how many K steps ahead the kernel loads: Triton's
+    own pipeliner does not take loads that feed arithmetic before the dot; the fp16-sum GEMVs and the fp16
+    dot load one step ahead when num_stages > 1). `x_pairs`: x's pass already made (`XPairs`, for a plan
+    that runs one): the kernel reads them and the pass is not launched."""
     m, k = x.shape
     n = weight.shape[0]
     if (k % NVFP4_BLOCK or weight.shape[1] * 2 != k or weight.stride(1) != 1 or weight.stride(0) % 4
