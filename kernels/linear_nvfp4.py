@@ -675,19 +675,30 @@ def _scale_operand(sb, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, kk, K, stride_xk,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """One K step of `_gemm_nvfp4_kernel` from element kk on: the words [BN, BK/8], scale bytes [BN, BK/16]
-    and x [BM, BK] (EVEN_K: the step lies inside K, no K masks)."""
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASK_N: tl.constexpr):
+    """One K step of the tensor-core kernels from element kk on: the words [BN, BK/8], scale bytes [BN, BK/16]
+    and x [BM, BK] (EVEN_K: the step lies inside K, no K masks; MASK_N: rows past N masked, else the caller's
+    rows all lie inside N, `_gemv_rows`, and the weight's loads carry no mask: 13-24 fewer sm_90 instructions
+    a K step in `_gemm_nvfp4_f16_kernel`)."""
     word = kk // 8 + tl.arange(0, BLOCK_K // 8)
     blk = kk // 16 + tl.arange(0, BLOCK_K // 16)
     offs_k = kk + tl.arange(0, BLOCK_K)
     if EVEN_K:
-        wv = tl.load(w_rows + word[None, :], mask=mask_n[:, None], other=0)
-        sb = tl.load(s_rows + blk[None, :], mask=mask_n[:, None], other=0)
+        if MASK_N:
+            wv = tl.load(w_rows + word[None, :], mask=mask_n[:, None], other=0)
+            sb = tl.load(s_rows + blk[None, :], mask=mask_n[:, None], other=0)
+        else:
+            wv = tl.load(w_rows + word[None, :])
+            sb = tl.load(s_rows + blk[None, :])
         xv = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
     else:
-        wv = tl.load(w_rows + word[None, :], mask=mask_n[:, None] & (word < K // 8)[None, :], other=0)
-        sb = tl.load(s_rows + blk[None, :], mask=mask_n[:, None] & (blk < K // 16)[None, :], other=0)
+        mask_w = (word < K // 8)[None, :]
+        mask_s = (blk < K // 16)[None, :]
+        if MASK_N:
+            mask_w = mask_n[:, None] & mask_w
+            mask_s = mask_n[:, None] & mask_s
+        wv = tl.load(w_rows + word[None, :], mask=mask_w, other=0)
+        sb = tl.load(s_rows + blk[None, :], mask=mask_s, other=0)
         xv = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
     return wv, sb, xv
 
@@ -718,16 +729,17 @@ def _gemm_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, 
     x_rows = x_ptr + offs_m[:, None] * stride_xm                     # [BM, 1]
     k_start = pid_k * k_per_split
     k_last = k_per_split - BLOCK_K                                   # the last step in the slice
-    wv, sb, xv = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start, K, stride_xk, BLOCK_K, EVEN_K)
+    wv, sb, xv = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start, K, stride_xk, BLOCK_K, EVEN_K, True)
     wv2, sb2, xv2 = wv, sb, xv
     if AHEAD == 2:
         wv2, sb2, xv2 = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start + tl.minimum(BLOCK_K, k_last),
-                                   K, stride_xk, BLOCK_K, EVEN_K)
+                                   K, stride_xk, BLOCK_K, EVEN_K, True)
     acc = dot_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, k_per_split, BLOCK_K):
         # the step AHEAD on (past the slice's end the last one again: no mask, an L2 hit)
         kk = k_start + tl.minimum(k0 + AHEAD * BLOCK_K, k_last)
-        wv_a, sb_a, xv_a = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, kk, K, stride_xk, BLOCK_K, EVEN_K)
+        wv_a, sb_a, xv_a = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, kk, K, stride_xk, BLOCK_K, EVEN_K,
+                                      True)
         scale = _scale_operand(sb, USE_ASM)                          # [BN, NB]
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, NB, 2]), [BLOCK_N, W])   # per word
         e0, e4, e1, e5, e2, e6, e3, e7 = _e2m1x8_scaled(wv, scale, USE_ASM)                     # [BN, W] each
@@ -791,24 +803,6 @@ def _f16_scale_operand(sb, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _gemm_f16_load_step(w_rows, s_rows, x_rows, mask_n, mask_m, kk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """One K step of `_gemm_nvfp4_f16_kernel` from element kk on: the words [BN, BK/8], scale bytes
-    [BN, BK/16] and x's fp16 [BM, BK] (x's pass's pairs; EVEN_K: the step lies inside K, no K masks)."""
-    word = kk // 8 + tl.arange(0, BLOCK_K // 8)
-    blk = kk // 16 + tl.arange(0, BLOCK_K // 16)
-    offs_k = kk + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        wv = tl.load(w_rows + word[None, :])
-        sb = tl.load(s_rows + blk[None, :])
-        xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-    else:
-        wv = tl.load(w_rows + word[None, :], mask=(word < K // 8)[None, :], other=0)
-        sb = tl.load(s_rows + blk[None, :], mask=(blk < K // 16)[None, :], other=0)
-        xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-    return wv, sb, xv
-
-
-@triton.jit
 def _gemm_nvfp4_f16_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, k_per_split,
                            stride_wn, stride_sn, stride_om, stride_on,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -832,15 +826,15 @@ def _gemm_nvfp4_f16_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part
     k_start = pid_k * k_per_split
     k_last = k_per_split - BLOCK_K                                   # the last step in the slice
     if AHEAD:
-        wv, sb, xv = _gemm_f16_load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start, K, BLOCK_K, EVEN_K)
+        wv, sb, xv = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start, K, 1, BLOCK_K, EVEN_K, False)
     acc = dot_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, k_per_split, BLOCK_K):
         if AHEAD:   # the next step's operands in flight while this one computes (the last step reloads itself)
-            nxt = _gemm_f16_load_step(w_rows, s_rows, x_rows, mask_n, mask_m,
-                                      k_start + tl.minimum(k0 + BLOCK_K, k_last), K, BLOCK_K, EVEN_K)
+            nxt = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start + tl.minimum(k0 + BLOCK_K, k_last), K, 1,
+                             BLOCK_K, EVEN_K, False)
         else:
-            wv, sb, xv = _gemm_f16_load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start + k0, K, BLOCK_K,
-                                             EVEN_K)
+            wv, sb, xv = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, k_start + k0, K, 1, BLOCK_K, EVEN_K,
+                                    False)
         scale = _f16_scale_operand(sb, USE_ASM)                      # [BN, NB]
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, NB, 2]), [BLOCK_N, W])   # per word
         o0, o1, o2, o3, o4, o5, o6, o7 = _e2m1x8_f16_scaled(wv, scale, USE_ASM)                 # [BN, W] each
@@ -1005,8 +999,9 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if x_pairs is not None:
         if not x_pass:
             raise ValueError(f"x_pairs: given for [{m}, {k}] {x.dtype} x on an [{n}, {k}] weight, whose plan runs no "
-                             "x pass (the fp16-sum GEMV of several rows, or of one row on a weight of "
-                             f"{LM_HEAD_MIN_ELEMENTS} elements or more, does): pass x_pairs=None")
+                             "x pass (16-bit x does on the GEMV of several rows, and on a weight of "
+                             f"{LM_HEAD_MIN_ELEMENTS} elements or more on the one-row GEMV and on tensor-core "
+                             "tiles of 32 rows): pass x_pairs=None")
         x_pairs.check(m, k, plan.k_per_split, x.device)
     part = partial_buffer(plan, m, n, x)
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
