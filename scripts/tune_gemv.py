@@ -144,7 +144,8 @@ def main() -> int:
                     grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=st, swap_ab=bn >= 64)
                             for (bn, bk), nw, st in itertools.product(NVFP4_TILES, (4, 8), (1, 2)) if bk <= k]
                     grid += [shipped] if shipped not in grid else []
-                    grid_x_pass = True                 # the fp16 dot (stages 2: one step ahead)
+                    grid_x_pass = True                 # the fp16 dot on tiles of 32 rows (`uses_f16_dot`; stages 2:
+                                                       # one step ahead), the bf16 dot on tiles of 16
                 elif m == 1:
                     grid = [make_plan(m, n, k, bn, bk, block_m=1, num_warps=nw, num_stages=2)
                             for (bn, bk), nw in itertools.product(FMA_TILES, (4, 8)) if bk <= k]

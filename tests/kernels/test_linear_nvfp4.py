@@ -383,15 +383,16 @@ def test_gpu_x_pass(n, k, splits, x_scale, block_n, warps, x_pass):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 32])
 def test_gpu_pdl_reads_this_calls_pairs(m, monkeypatch):
-    """The GEMV launched beside x's pass (`x_pass_pdl`) reads the pairs of its own call (M = 1 and the rows
-    GEMV, on the LM heads' plans)."""
+    """The kernel launched beside x's pass (`x_pass_pdl`) reads the pairs of its own call (the GEMV at M = 1,
+    the rows GEMV, the fp16 dot at M = 32, on the LM heads' plans)."""
     monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
     n, k = 4096, 2048
     _, *w = nvfp4_inputs(1, n, k, torch.bfloat16, seed=m, device="cuda")
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2.0 ** (8 * (i % 3) - 8) for i in range(12)]
-    assert uses_f16_gemv(xs[0], default_plan(xs[0], n, k, False))
+    plan = default_plan(xs[0], n, k, False)
+    assert uses_f16_gemv(xs[0], plan) or uses_f16_dot(xs[0], n, k, plan)
     assert_pdl_reads_its_own_x(lambda x, out=None: linear_nvfp4_triton(x, *w, out=out), xs, monkeypatch)
 
 

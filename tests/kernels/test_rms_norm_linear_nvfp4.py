@@ -172,9 +172,9 @@ def test_gpu_lm_head_after_its_norm(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 32])
 def test_gpu_pdl_reads_this_norms_pairs(m, monkeypatch):
-    """The GEMV launched beside the norm (PDL) reads this call's pairs: 12 calls back to back in a CUDA graph
+    """The GEMV (M = 1, 3) or fp16 dot (M = 32) launched beside the norm (PDL) reads this call's pairs: 12 calls back to back in a CUDA graph
     equal the same calls launched one after another (`assert_pdl_reads_its_own_x`)."""
     monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
     _, *w = nvfp4_inputs(1, 4096, 2048, torch.bfloat16, device="cuda")
