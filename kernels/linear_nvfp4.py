@@ -30,6 +30,9 @@ read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j 
   of x), tensor cores in fp16: after x's pass, x's pairs read as fp16 are the dot's x, each word decoded
   as the M = 1 kernel does (6 integer ops, 4 widenings) and its pairs multiplied by the block scale in fp16x2,
   exact, in the pairs' element order; 3.2-4.0 sm_90 instructions an element against the kernel below's 4.8.
+  On sm_90 where K is a multiple of its K tile, the Gluon wgmma kernel runs instead (`uses_wgmma`,
+  `gemm_nvfp4_wgmma.py`): each thread decodes its own fragment of the MMA's register operand, no shared-memory
+  round trip for the weight; x's pass writes x in that kernel's K order (`_pair_slot`, `XPairs.order`).
 - 1 <= M <= 32 otherwise (`_gemm_nvfp4_kernel`, the planner's from M = 2 wherever neither the GEMV of several
   rows nor the fp16 dot runs), tensor cores: `_e2m1x8_scaled`
   builds bf16 pairs from the word with two shifts and masks a pair (elements i and i + 4, whose nibbles
@@ -443,11 +446,12 @@ def _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, 
 
 @triton.jit
 def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xm, stride_xk, BLOCK: tl.constexpr,
-                        USE_ASM: tl.constexpr, PDL: tl.constexpr):
+                        USE_ASM: tl.constexpr, PDL: tl.constexpr, ORDER: tl.constexpr = 0):
     """The x pass of the 16-bit-x GEMVs, one program a K slice of a row m of x (grid: slices, rows): the
     slice's exponent e (`x_exponent`) to exp_ptr[m, slice] ([M, slices]), and x[m] * 2^e as the fp16 pairs
-    the block sums take (`_x_pairs`, word j's four at pairs_ptr[m, 4j .. 4j + 4], [M, K/2]). Once per call
-    instead of in every program of the GEMV. PDL: it lets the GEMV launch at once (`x_pass_pdl`)."""
+    the block sums take (`_x_pairs`, word j's four at pairs_ptr[m, 4j .. 4j + 4], [M, K/2]; ORDER > 0: where
+    `_pair_slot` puts them for the wgmma kernel). Once per call instead of in every program of the GEMV. PDL:
+    it lets the GEMV launch at once (`x_pass_pdl`)."""
     if PDL:
         gdc_launch_dependents()
     pid_k = tl.program_id(0)
@@ -463,18 +467,33 @@ def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xm, st
         word = w0 + tl.arange(0, BLOCK // 8)
         mask = word < k_end // 8
         p0, p1, p2, p3 = _x_pairs(x_ptr + word * 8 * stride_xk, stride_xk, mask, x_scale, False, USE_ASM)
-        tl.store(pairs_ptr + 4 * word, p0, mask=mask)
-        tl.store(pairs_ptr + 4 * word + 1, p1, mask=mask)
-        tl.store(pairs_ptr + 4 * word + 2, p2, mask=mask)
-        tl.store(pairs_ptr + 4 * word + 3, p3, mask=mask)
+        tl.store(pairs_ptr + _pair_slot(word, 0, ORDER), p0, mask=mask)
+        tl.store(pairs_ptr + _pair_slot(word, 1, ORDER), p1, mask=mask)
+        tl.store(pairs_ptr + _pair_slot(word, 2, ORDER), p2, mask=mask)
+        tl.store(pairs_ptr + _pair_slot(word, 3, ORDER), p3, mask=mask)
 
 
 @triton.jit
-def x_pairs_of_row(x, cols, K, pairs_ptr, exp_ptr, k_per_split, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
+def _pair_slot(word, r: tl.constexpr, ORDER: tl.constexpr):
+    """Where x's pass stores pair r (0 .. 3: elements (0, 2), (4, 6), (1, 3), (5, 7)) of each word in [K/2]:
+    4 word + r for the GEMVs and the fp16 dot (ORDER 0); for the wgmma kernel on K tiles of ORDER, its
+    `dot_order` (`gemm_nvfp4_wgmma.py`): word per * c + b of a tile (per = ORDER / 32) to pair 16 b + 4 r + c."""
+    if ORDER == 0:
+        return 4 * word + r
+    else:
+        PER: tl.constexpr = ORDER // 32
+        wl = word % (ORDER // 8)
+        return 4 * (word - wl) + 16 * (wl % PER) + 4 * r + wl // PER
+
+
+@triton.jit
+def x_pairs_of_row(x, cols, K, pairs_ptr, exp_ptr, k_per_split, BLOCK: tl.constexpr, USE_ASM: tl.constexpr,
+                   ORDER: tl.constexpr = 0):
     """x's pass on a row a kernel holds in registers (the final RMSNorm: `rms_norm_triton(x_pairs=...)`): x
     [BLOCK] fp32, x[k] at cols == k and 0 past K, as the 16-bit value the row is stored as -> what
     `_x_f16_pairs_kernel` writes for it, each K slice's exponent to exp_ptr[slice] and the scaled fp16 pairs
-    to pairs_ptr[0 .. K/2] (word j's (0, 2), (4, 6), (1, 3), (5, 7) at 4j .. 4j + 4). No reload of x."""
+    to pairs_ptr[0 .. K/2] (word j's (0, 2), (4, 6), (1, 3), (5, 7) at 4j .. 4j + 4, or where `_pair_slot`
+    puts them for ORDER). No reload of x."""
     scale = tl.zeros([BLOCK], dtype=tl.float32)
     for s in range(0, tl.cdiv(K, k_per_split)):
         in_slice = (cols >= s * k_per_split) & (cols < (s + 1) * k_per_split)
@@ -491,10 +510,10 @@ def x_pairs_of_row(x, cols, K, pairs_ptr, exp_ptr, k_per_split, BLOCK: tl.conste
     x3, x7 = tl.split(c1_hi)
     word = tl.arange(0, BLOCK // 8)
     mask = word < K // 8
-    tl.store(pairs_ptr + 4 * word, _f16x2(x0, x2, USE_ASM), mask=mask)
-    tl.store(pairs_ptr + 4 * word + 1, _f16x2(x4, x6, USE_ASM), mask=mask)
-    tl.store(pairs_ptr + 4 * word + 2, _f16x2(x1, x3, USE_ASM), mask=mask)
-    tl.store(pairs_ptr + 4 * word + 3, _f16x2(x5, x7, USE_ASM), mask=mask)
+    tl.store(pairs_ptr + _pair_slot(word, 0, ORDER), _f16x2(x0, x2, USE_ASM), mask=mask)
+    tl.store(pairs_ptr + _pair_slot(word, 1, ORDER), _f16x2(x4, x6, USE_ASM), mask=mask)
+    tl.store(pairs_ptr + _pair_slot(word, 2, ORDER), _f16x2(x1, x3, USE_ASM), mask=mask)
+    tl.store(pairs_ptr + _pair_slot(word, 3, ORDER), _f16x2(x5, x7, USE_ASM), mask=mask)
 
 
 @triton.jit
@@ -905,27 +924,32 @@ class XPairs:
     """What x's pass (`_x_f16_pairs_kernel`) writes for x [M, K], made by the kernel that computes x (the final
     RMSNorm: `rms_norm_triton(x_pairs=...)`) so that the GEMV need not launch the pass: the scaled fp16
     pairs (int32 [M, K/2]) and each K slice's exponent (int32 [M, slices]), in slices of k_per_split (the
-    GEMV's plan's: `x_pass_split`)."""
+    GEMV's plan's: `x_pass_split`), the pairs in the order `order` names (`x_pass_order`: 0 for the GEMVs and
+    the fp16 dot, the K tile of the wgmma kernel's `dot_order`)."""
     pairs: torch.Tensor
     exps: torch.Tensor
     k_per_split: int
+    order: int = 0
 
     @classmethod
-    def empty(cls, m: int, k: int, k_per_split: int, device: torch.device) -> "XPairs":
+    def empty(cls, m: int, k: int, k_per_split: int, device: torch.device, order: int = 0) -> "XPairs":
         return cls(torch.empty((m, k // 2), dtype=torch.int32, device=device),
-                   torch.empty((m, triton.cdiv(k, k_per_split)), dtype=torch.int32, device=device), k_per_split)
+                   torch.empty((m, triton.cdiv(k, k_per_split)), dtype=torch.int32, device=device), k_per_split,
+                   order)
 
-    def check(self, m: int, k: int, k_per_split: int, device: torch.device) -> None:
-        """Refuse pairs that are not those of x [m, k] in slices of k_per_split, naming what differs."""
-        want = ((m, k // 2), (m, triton.cdiv(k, k_per_split)), k_per_split)
-        got = (tuple(self.pairs.shape), tuple(self.exps.shape), self.k_per_split)
+    def check(self, m: int, k: int, k_per_split: int, device: torch.device, order: int = 0) -> None:
+        """Refuse pairs that are not those of x [m, k] in slices of k_per_split and the given order, naming
+        what differs."""
+        want = ((m, k // 2), (m, triton.cdiv(k, k_per_split)), k_per_split, order)
+        got = (tuple(self.pairs.shape), tuple(self.exps.shape), self.k_per_split, self.order)
         if (got != want or self.pairs.dtype != torch.int32 or self.exps.dtype != torch.int32
                 or not (self.pairs.is_contiguous() and self.exps.is_contiguous())
                 or self.pairs.device != device or self.exps.device != device):
             raise ValueError(f"x_pairs: pairs {got[0]} {self.pairs.dtype}, exps {got[1]} {self.exps.dtype} on "
-                             f"{self.pairs.device}, k_per_split {got[2]}; this call needs contiguous int32 "
-                             f"pairs {want[0]} and exps {want[1]} on {device}, k_per_split {want[2]}: make them "
-                             "with the plan's `x_pass_split`, or pass x_pairs=None")
+                             f"{self.pairs.device}, k_per_split {got[2]}, order {got[3]}; this call needs "
+                             f"contiguous int32 pairs {want[0]} and exps {want[1]} on {device}, k_per_split "
+                             f"{want[2]}, order {want[3]}: make them with the plan's `x_pass_split` and "
+                             "`x_pass_order`, or pass x_pairs=None")
 
 
 def uses_f16_dot(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
@@ -936,6 +960,40 @@ def uses_f16_dot(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
     costs more than the dot saves (8192 x 2048, M = 32: 14.6 us against 13.3)."""
     return (plan.use_dot and plan.block_m >= 32 and x.dtype in (torch.bfloat16, torch.float16)
             and uses_x_pass(n, k))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+# 17 to 32 rows of 16-bit x on the LM heads run the Gluon wgmma kernel on Hopper (sm_90) where K is a multiple of
+# its K tile, one slice (`uses_wgmma`); False keeps the Triton fp16 dot there (comparisons)
+WGMMA = True
+
+
+def uses_wgmma(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
+    """Whether an fp16-dot plan (`uses_f16_dot`) runs the Gluon wgmma kernel instead, with the decoded tile as
+    the MMA's register operand (`gemm_nvfp4_wgmma.py`): on sm_90, K a multiple of its K tile, one K slice.
+    H200, 2026-12-03, M = 32: 151936 x 2048 94.5 us against 132.9 for x's pass and the fp16 dot; 154880 x
+    4096 179.4 against 267.1."""
+    if not (WGMMA and x.is_cuda and uses_f16_dot(x, n, k, plan) and plan.splits == 1 and _is_sm90(x.device)):
+        return False
+    from mtpfactory.kernels.gemm_nvfp4_wgmma import tile
+    return k % tile(k)[1] == 0
+
+
+def x_pass_order(x: torch.Tensor, n: int, k: int, split_k: bool) -> int:
+    """The `XPairs.order` the planned call of x [M, k] on an [n, k] weight reads: the wgmma kernel's K tile
+    where it runs (`uses_wgmma`), else 0."""
+    return _pairs_order(x, n, k, default_plan(x, n, k, split_k))
+
+
+def _pairs_order(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> int:
+    if not uses_wgmma(x, n, k, plan):
+        return 0
+    from mtpfactory.kernels.gemm_nvfp4_wgmma import tile
+    return tile(k)[1]
 
 
 def runs_x_pass(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
@@ -1002,8 +1060,11 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                              "x pass (16-bit x does on the GEMV of several rows, and on a weight of "
                              f"{LM_HEAD_MIN_ELEMENTS} elements or more on the one-row GEMV and on tensor-core "
                              "tiles of 32 rows): pass x_pairs=None")
-        x_pairs.check(m, k, plan.k_per_split, x.device)
-    part = partial_buffer(plan, m, n, x)
+    order = _pairs_order(x, n, k, plan)                               # > 0: the wgmma kernel runs
+    wgmma = order > 0
+    if x_pairs is not None:
+        x_pairs.check(m, k, plan.k_per_split, x.device, order)
+    part = None if wgmma else partial_buffer(plan, m, n, x)
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     scale_2 = weight_scale_2.reshape(1)
@@ -1013,12 +1074,15 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if x_pairs is not None:
         pairs, exps = x_pairs.pairs, x_pairs.exps
     elif x_pass:
-        made = XPairs.empty(m, k, plan.k_per_split, x.device)
+        made = XPairs.empty(m, k, plan.k_per_split, x.device, order)
         pairs, exps = made.pairs, made.exps
         _x_f16_pairs_kernel[(plan.splits, m)](x, pairs, exps, k, plan.k_per_split, x.stride(0), x.stride(1),
                                               BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda,
-                                              PDL=pdl, num_warps=8)
-    if uses_f16_dot(x, n, k, plan):
+                                              PDL=pdl, ORDER=order, num_warps=8)
+    if wgmma:
+        from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
+        gemm_nvfp4_wgmma(pairs.view(torch.float16), exps, words, scale_bits, scale_2, out, pdl)
+    elif uses_f16_dot(x, n, k, plan):
         _gemm_nvfp4_f16_kernel[grid](
             pairs.view(torch.float16), exps, words, scale_bits, scale_2, out, part if part is not None else out,
             m, n, k, plan.k_per_split, words.stride(0), scale_bits.stride(0), out.stride(0), out.stride(1),

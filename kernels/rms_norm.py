@@ -36,9 +36,10 @@ rms_norm = Op("rms_norm", _rms_norm_native)
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, pairs_ptr, exp_ptr, H, eps, k_per_split,
                      HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK_H: tl.constexpr,
-                     X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+                     X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, ORDER: tl.constexpr):
     """One row of H per program; the row lives in registers (BLOCK_H >= H, masked). X_PAIRS: also the NVFP4
-    GEMV's x pass of the normed row (`x_pairs_of_row`: pairs [M, H/2], exps [M, slices of k_per_split]).
+    GEMV's x pass of the normed row (`x_pairs_of_row`: pairs [M, H/2] in ORDER, exps [M, slices of
+    k_per_split]).
     PDL: the kernel after it may launch at once (it waits for this one to end before reading)."""
     if PDL:
         gdc_launch_dependents()
@@ -59,7 +60,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, pairs_ptr, exp_ptr, 
     tl.store(y_ptr + row * H + cols, y, mask=mask)
     if X_PAIRS:
         x_pairs_of_row(y.to(tl.float32), cols, H, pairs_ptr + row * (H // 2),
-                       exp_ptr + row * tl.cdiv(H, k_per_split), k_per_split, BLOCK_H, USE_ASM)
+                       exp_ptr + row * tl.cdiv(H, k_per_split), k_per_split, BLOCK_H, USE_ASM, ORDER)
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -103,7 +104,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
         if x_pairs.k_per_split % 8 or x_pairs.k_per_split <= 0:
             raise ValueError(f"x_pairs: k_per_split = {x_pairs.k_per_split}; slices hold whole 8-element words "
                              "(a positive multiple of 8): take it from the GEMV's plan (`x_pass_split`)")
-        x_pairs.check(M, H, x_pairs.k_per_split, x.device)
+        if x_pairs.order and (x_pairs.order % 128 or H % x_pairs.order):
+            raise ValueError(f"x_pairs: order {x_pairs.order} for rows of H = {H}; an order is 0 or the wgmma "
+                             "kernel's K tile, a multiple of 128 dividing H: take it from the GEMV's plan "
+                             "(`x_pass_order`)")
+        x_pairs.check(M, H, x_pairs.k_per_split, x.device, x_pairs.order)
     if M:
         block = triton.next_power_of_2(H)
         warps = 4 if block < 2048 else 8 if block < 8192 else 16
@@ -112,6 +117,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
                                pairs, exps, H, eps, 1 if x_pairs is None else x_pairs.k_per_split,
                                HAS_RESIDUAL=residual is not None, ZERO_CENTRED=bool(zero_centred),
                                BLOCK_H=block, X_PAIRS=x_pairs is not None, USE_ASM=x.is_cuda, PDL=pdl,
+                               ORDER=0 if x_pairs is None else x_pairs.order,
                                num_warps=warps)
     return y if residual is None else (y, s)
 

@@ -20,6 +20,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
     _linear_nvfp4_native,
     _linear_nvfp4_supports,
     linear_nvfp4_triton,
+    x_pass_order,
     x_pass_split,
 )
 from mtpfactory.kernels.rms_norm import _rms_norm_native, _rms_norm_supports, rms_norm_triton
@@ -44,7 +45,8 @@ def rms_norm_linear_nvfp4_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps
                                  residual: torch.Tensor | None = None, split_work: bool = True):
     m, k = x.shape
     k_per_split = x_pass_split(x, weight.shape[0], k, split_work)
-    x_pairs = None if k_per_split is None or m == 0 else XPairs.empty(m, k, k_per_split, x.device)
+    x_pairs = (None if k_per_split is None or m == 0 else
+               XPairs.empty(m, k, k_per_split, x.device, x_pass_order(x, weight.shape[0], k, split_work)))
     pdl = x_pairs is not None and x_pass_pdl(x)
     normed = rms_norm_triton(x, norm_weight, eps, zero_centred, residual, x_pairs=x_pairs, pdl=pdl)
     y = normed if residual is None else normed[0]

@@ -4,14 +4,15 @@ plainly), alternately, round after round, with cuBLAS BF16 as the plain stream, 
 clock, power and clock-event reasons every 200 ms; print each timing beside the clocks logged while it ran.
 A slow timing under a lower SM clock points at the clock; one under the same clock does not. (2026-12-03:
 the power cap, reason 0x4, at 680-700 W, takes the SM clock to 1.5 GHz.)
---compare dot times the NVFP4 LM head at M >= 5 on its fp16 dot (`uses_f16_dot`, after x's pass) against the
-bf16 dot it replaced (TILES_NVFP4's plan).
+--compare dot times the NVFP4 LM head at M >= 5 on its fp16 dot (`uses_f16_dot`, after x's pass; the wgmma
+kernel off) against the bf16 dot it replaced (TILES_NVFP4's plan).
+--compare wgmma times it at M = 17-32 on the Gluon wgmma kernel (`uses_wgmma`) against the Triton fp16 dot.
 --compare fused times the head's final norm (with its residual) and the NVFP4 LM head after it: as one op
 (`rms_norm_linear_nvfp4`, the norm making x's pass) against the two providers in turn (the GEMV's own
 pass), and the GEMV alone on pairs made beforehand (what the LM head costs when the norm makes its pass).
 
     python3 scripts/clock_watch.py --csv out/clocks.csv [--rounds 12] [--shape lm_head_qwen] [--ms 1,2]
-        [--formats nvfp4,fp8] [--compare pdl|alone|fused|dot]
+        [--formats nvfp4,fp8] [--compare pdl|alone|fused|dot|wgmma]
 """
 
 from __future__ import annotations
@@ -121,19 +122,20 @@ def main() -> int:
     ap.add_argument("--shape", default="lm_head_qwen")
     ap.add_argument("--ms", default="1")
     ap.add_argument("--formats", default="nvfp4", help="nvfp4 and/or fp8 (W8A16 with the split lever, its default)")
-    ap.add_argument("--compare", default="pdl", choices=["pdl", "alone", "fused", "dot"],
+    ap.add_argument("--compare", default="pdl", choices=["pdl", "alone", "fused", "dot", "wgmma"],
                     help="pdl: each call with and without PDL; alone: the whole call against the kernel after x's "
                          "pass alone (the pass not launched: what x's pairs written by the kernel before would cost); "
                          "fused: the final norm and the NVFP4 LM head as one op, as two, and the GEMV alone; "
-                         "dot: NVFP4 at M >= 5 on the fp16 dot and on the bf16 dot")
+                         "dot: NVFP4 at M >= 5 on the fp16 dot and on the bf16 dot; "
+                         "wgmma: NVFP4 at M = 17-32 on the wgmma kernel and on the fp16 dot")
     args = ap.parse_args()
     n, k = SHAPES[args.shape]
     copies = max(MIN_CALLS, -(-512 * 2**20 // (n * k * 2)))
     w = formats(n, k, copies)
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in map(int, args.ms.split(","))}
     labels = {"pdl": ("pdl", "no pdl"), "alone": ("whole", "alone"), "fused": ("fused", "apart", "gemv"),
-              "dot": ("fp16 dot", "bf16 dot")}[args.compare]
-    fmts = ["nvfp4"] if args.compare in ("fused", "dot") else args.formats.split(",")
+              "dot": ("fp16 dot", "bf16 dot"), "wgmma": ("wgmma", "fp16 dot")}[args.compare]
+    fmts = ["nvfp4"] if args.compare in ("fused", "dot", "wgmma") else args.formats.split(",")
     variants = {f"{fmt} M={m} {label}": (fmt, x, label) for fmt in fmts for m, x in xs.items() for label in labels}
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     shipped = default_plan(x, n, k, False)
@@ -161,6 +163,7 @@ def main() -> int:
     results = []
     x_passes = linear_nvfp4._x_f16_pairs_kernel, linear._x_f16_rows_kernel
     lm_head_min = linear_nvfp4.LM_HEAD_MIN_ELEMENTS
+    wgmma = linear_nvfp4.WGMMA
     try:
         for r in range(args.rounds):
             # each pair in turn order A B, then B A (three: A B C, then C B A): the one after a heavier launch runs
@@ -170,6 +173,8 @@ def main() -> int:
                 linear.X_PASS_PDL = label != "no pdl"     # read at launch: the graphs below capture it
                 if label == "bf16 dot":   # the LM head planned and launched as a small weight: TILES_NVFP4's
                     linear_nvfp4.LM_HEAD_MIN_ELEMENTS = 1 << 62
+                if label in ("fp16 dot", "bf16 dot"):   # the Triton dots, not the Gluon kernel
+                    linear_nvfp4.WGMMA = False
                 if label == "alone":
                     linear_nvfp4._x_f16_pairs_kernel = _NotLaunched()
                     linear._x_f16_rows_kernel = _NotLaunched()
@@ -184,6 +189,7 @@ def main() -> int:
                 results.append((r, name, us, g_us, t0, t1))
                 linear_nvfp4._x_f16_pairs_kernel, linear._x_f16_rows_kernel = x_passes
                 linear_nvfp4.LM_HEAD_MIN_ELEMENTS = lm_head_min
+                linear_nvfp4.WGMMA = wgmma
             linear.X_PASS_PDL = True
             t0 = time.time()
             b_us = time_us([lambda t=t: xb @ t.T for t in w["bf16"]], 200)

@@ -1,0 +1,159 @@
+"""W4A16 NVFP4 times 17 to 32 rows of 16-bit x on Hopper's wgmma, the decoded weight tile the MMA's A
+operand in registers: no shared-memory round trip for the weight (Gluon; sm_90 only). `linear_nvfp4_triton`
+runs it where `uses_wgmma` says; elsewhere the Triton fp16 dot (`_gemm_nvfp4_f16_kernel`) runs.
+
+Why Gluon: Triton's `tl.dot` takes the decoded tile through shared memory (STS, then LDSM into the MMA's
+registers). On 151936 x 2048 at M = 32 that kernel was bound by L1/shared memory (Nsight Compute: L1/TEX
+94% busy, DRAM 28%, 7.5-way bank conflicts on the stores). Here each thread decodes exactly the A fragment it
+holds: wgmma's register A layout (k_width 2) gives the thread in lane 4r + c of warp w the rows 16w + r and
+16w + r + 8 and, in each 16-wide K block, the pairs at 2c and 2c + 8. A permutation of K within each K tile
+of BK makes one word of 8 codes fill such a thread's fragment over two K blocks, so the words are loaded in
+the A layout (16 bytes a thread a row) and `convert_layout(..., assert_trivial=True)` proves no data moves.
+x is permuted the same way by x's pass (`_x_f16_pairs_kernel(ORDER=BK)`), so the products are those of the
+reference, in another order of K.
+
+The permutation, within each tile of BK (per = BK / 32 words a thread a row): word w = per * c + b (c in
+0..3, b in 0..per-1) holds elements 8w .. 8w + 7; the decode (`_E2M1X8_F16_SCALED_PTX`) outputs them in
+x's pass's order, output j = 4 j2 + 2 j1 + j0 being element (0, 2, 4, 6, 1, 3, 5, 7)[j], and output j goes
+to dot position 32 b + 16 j2 + 8 j1 + 2 c + j0 (`dot_order`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.language.extra.cuda import gdc_wait
+
+from mtpfactory.kernels.linear_nvfp4 import _E2M1X8_F16_SCALED_PTX
+
+BM = 32                    # rows of x a program (the wgmma N; fewer rows are masked)
+
+
+@functools.lru_cache(maxsize=None)
+def tile(k: int) -> tuple[int, int, int]:
+    """(weight rows a program, K a step, warps) for an [N, k] weight. H200, 2026-12-03, M = 32, one
+    process, each against the others: 151936 x 2048 at (128, 128, 8) 94.5-94.8 us, (64, 256, 4) 95.4-96.0;
+    154880 x 4096 at (64, 256, 4) 179.4-181.3 us, (128, 128, 8) 188.9-188.9. Loading two steps ahead, or a
+    wgmma left running under the next decode, was no faster (and the latter needs the A registers kept)."""
+    return (64, 256, 4) if k >= 4096 else (128, 128, 8)
+
+
+def dot_order(k: int, bk: int) -> torch.Tensor:
+    """perm [k] (int64): the kernel's dot position p takes element perm[p] of x's row and of each weight row."""
+    per = bk // 32
+    w = torch.arange(bk // 8).view(4, per, 1)                       # [c, b, j]
+    j = torch.arange(8)
+    elem = (0, 2, 4, 6, 1, 3, 5, 7)
+    src = (8 * w + torch.tensor(elem)[j]).expand(4, per, 8)          # element of output j of word per * c + b
+    c = torch.arange(4).view(4, 1, 1)
+    b = torch.arange(per).view(1, per, 1)
+    pos = 32 * b + 16 * (j >> 2) + 8 * ((j >> 1) & 1) + 2 * c + (j & 1)
+    perm = torch.empty(bk, dtype=torch.int64)
+    perm[pos.reshape(-1)] = src.reshape(-1)
+    return (torch.arange(0, k, bk).view(-1, 1) + perm).reshape(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def layouts(bn: int, bk: int, warps: int) -> dict:
+    """The kernel's layouts for tiles of bn weight rows (64 a warpgroup) and bk of K (a multiple of 128)."""
+    wg = warps // 4
+    assert bn == 64 * wg and bk % 128 == 0, (bn, bk, warps)
+    per = bk // 32                                                   # words a row a thread
+    lg = lambda v: v.bit_length() - 1                                # noqa: E731
+    rows_w = [[16 << i, 0] for i in range(2 + lg(wg))]
+    # the words [bn, bk/8]: lane 4r + c of warp w holds rows 16w + r and + 8, words per*c .. per*c + per - 1
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1 << i] for i in range(lg(per))] + [[8, 0]],
+        lane_bases=[[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
+        shape=[bn, bk // 8])
+    # the scale bytes as int16 pairs [bn, bk/32]: the same thread holds its words' blocks
+    scales = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1 << i] for i in range(lg(per // 4))] + [[8, 0]],
+        lane_bases=[[0, per // 4], [0, per // 2], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
+        shape=[bn, bk // 32])
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BM, 16])
+    return dict(WORDS=words, SCALES=scales, ACC=acc, A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2),
+                X_LOAD=gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[warps, 1],
+                                        order=[1, 0]),
+                X_SMEM=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+
+@gluon.jit
+def _decode(wv, s16, BN: gl.constexpr, BK: gl.constexpr, WORDS: gl.constexpr, A_OP: gl.constexpr):
+    """words [BN, BK/8] (WORDS) and scale pairs [BN, BK/32] (SCALES) -> the A operand [BN, BK] fp16: E2M1 *
+    2^-6 * scale, exact, in `dot_order`."""
+    sw = gl.join(s16 & 0xFF, (s16 >> 8) & 0xFF)                      # [BN, BK/32, 2]: block 2q + sel
+    sw = gl.reshape(gl.join(sw, sw), [BN, BK // 8])                   # word 4q + 2 sel + dup: its block
+    sw = gl.convert_layout(sw, WORDS, assert_trivial=True)
+    s = sw.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float16).to(gl.int16, bitcast=True)
+    s = (s.to(gl.int32) & 0xFFFF) * 0x10001                          # the scale in both fp16 halves
+    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+        asm=_E2M1X8_F16_SCALED_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[wv, s],
+        dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    t = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
+    t = gl.reshape(t, [BN, 4, BK // 32, 2, 2, 2])                     # [n, c, b, j0, j1, j2]
+    t = gl.permute(t, (0, 2, 5, 4, 1, 3))                             # [n, b, j2, j1, c, j0]: dot position
+    return gl.convert_layout(gl.reshape(t, [BN, BK]), A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _gemm_nvfp4_wgmma_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, M, N, K, stride_wn, stride_sn,
+                             stride_om, stride_on, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr, WORDS: gl.constexpr,
+                             SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr, X_LOAD: gl.constexpr,
+                             X_SMEM: gl.constexpr, PDL: gl.constexpr):
+    """out [M, N] = x @ w^T for M <= BM: x16 is x's pass's fp16 [M, K] in `dot_order` (times 2^exp[m], one K
+    slice), w the words [N, K/8] (int32), s the scale bytes as int16 pairs [N, K/32]; K a multiple of BK.
+    One program a tile of BN rows, the loads one step ahead; rows past N read row N - 1 (stored nowhere).
+    PDL: launched beside x's pass, whose pairs it reads after it ends."""
+    if PDL:
+        gdc_wait()
+    pid = gl.program_id(0)
+    rows = gl.minimum(pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, WORDS)), N - 1).to(gl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, WORDS))[None, :]
+    srows = gl.minimum(pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SCALES)), N - 1).to(gl.int64)
+    s_ptrs = s_ptr + srows[:, None] * stride_sn + gl.arange(0, BK // 32, layout=gl.SliceLayout(0, SCALES))[None, :]
+    xm = gl.arange(0, BM, layout=gl.SliceLayout(1, X_LOAD))
+    x_ptrs = x16_ptr + xm[:, None] * K + gl.arange(0, BK, layout=gl.SliceLayout(0, X_LOAD))[None, :]
+    x_mask = (xm < M)[:, None]
+    x_smem = gl.allocate_shared_memory(gl.float16, [BM, BK], X_SMEM)
+    acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
+    wv = gl.load(w_ptrs)
+    s16 = gl.load(s_ptrs)
+    xv = gl.load(x_ptrs, mask=x_mask, other=0.0)
+    for k0 in range(0, K, BK):
+        kn = gl.multiple_of(gl.minimum(k0 + BK, K - BK), BK)          # the next step (the last reloads itself)
+        wv_n = gl.load(w_ptrs + kn // 8)
+        s16_n = gl.load(s_ptrs + kn // 32)
+        xv_n = gl.load(x_ptrs + kn, mask=x_mask, other=0.0)
+        a = _decode(wv, s16, BN, BK, WORDS, A_OP)
+        x_smem.store(xv)
+        hopper.fence_async_shared()
+        acc = hopper.warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+        wv, s16, xv = wv_n, s16_n, xv_n
+    on = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+    om = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+    p = 6 - gl.load(exp_ptr + om, mask=om < M, other=0)               # the decode's 2^-6 and x's 2^e undone
+    half = p >> 1
+    f = ((half + 127) << 23).to(gl.float32, bitcast=True) * ((p - half + 127) << 23).to(gl.float32, bitcast=True)
+    acc = acc * f[None, :] * gl.load(s2_ptr)
+    gl.store(out_ptr + om[None, :] * stride_om + on[:, None] * stride_on, acc.to(out_ptr.dtype.element_ty),
+             mask=(om < M)[None, :] & (on < N)[:, None])
+
+
+def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor, scale_bits: torch.Tensor,
+                     scale_2: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
+    """Launch: x16 [M, K] fp16 in `dot_order(K, tile(K)[1])`, exps [M, 1], words [N, K/8] int32, scale_bits
+    [N, K/16] uint8, scale_2 [1] fp32, out [M, N]."""
+    m, k = x16.shape
+    n = words.shape[0]
+    bn, bk, warps = tile(k)
+    s16 = scale_bits.view(torch.int16)
+    _gemm_nvfp4_wgmma_kernel[(triton.cdiv(n, bn),)](
+        x16, exps, words, s16, scale_2, out, m, n, k, words.stride(0), s16.stride(0), out.stride(0), out.stride(1),
+        BN=bn, BK=bk, BM=BM, PDL=pdl, num_warps=warps, launch_pdl=pdl, **layouts(bn, bk, warps))
+

@@ -1,0 +1,137 @@
+"""The Gluon wgmma kernel for W4A16 NVFP4 at 17 to 32 rows of 16-bit x (`gemm_nvfp4_wgmma.py`) and the x
+order it reads (`dot_order`, x's pass with ORDER).
+
+On the CPU: the order x's pass and the final norm write, against `dot_order` applied to x's pass's reference.
+The kernel itself is Gluon, which the interpreter cannot run: it is tested on the GPU (`-m gpu`) against the
+reference. Tolerance there as `test_linear_nvfp4.py`: each product E2M1 * 2^-6 * scale * x * 2^e is exact in
+fp16 and fp32, summed in fp32 in another order than the reference's, so |out - ref| <= OUT_RTOL * |ref| +
+1e-5 * sum|x||w|; a fragment on the wrong K position or row misses by O(sum|x||w|).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from mtpfactory.kernels.gemm_nvfp4_wgmma import dot_order, tile
+from mtpfactory.kernels.linear_nvfp4 import XPairs, default_plan, linear_nvfp4_triton, uses_wgmma
+from mtpfactory.kernels.rms_norm import rms_norm_triton
+from mtpfactory.quant import dequantize_nvfp4
+from gemv_common import SUM_RTOL, assert_matches, nvfp4_inputs, x_pass_reference
+
+linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Op
+_GEMV_ORDER = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])                        # element e of a word -> its pair slot
+
+
+def natural_fp16(pairs: torch.Tensor) -> torch.Tensor:
+    """x's pass's pairs in the GEMVs' order (int32 [K/2]) -> the scaled x as fp16 in K's own order."""
+    words = pairs.view(torch.float16).view(-1, 8)
+    return words[:, _GEMV_ORDER].reshape(-1)
+
+
+@pytest.mark.parametrize("k,bk", [(128, 128), (384, 128), (512, 256), (4096, 256)])
+def test_dot_order_permutes_each_k_tile(k, bk):
+    perm = dot_order(k, bk)
+    assert torch.equal(perm.view(-1, bk).sort(dim=1).values, torch.arange(k).view(-1, bk))
+    # a pair of adjacent dot positions (the wgmma fragment's 32-bit register) is one decode register's pair
+    assert torch.equal(perm[1::2] - perm[0::2], torch.full((k // 2,), 2))
+
+
+@pytest.mark.parametrize("k,bk", [(384, 128), (512, 256)])
+def test_x_pass_writes_dot_order(k, bk):
+    m = 3
+    x = torch.randn(m, k, dtype=torch.bfloat16) * torch.tensor([1.0, 2.0**-20, 2.0**9]).view(m, 1).to(torch.bfloat16)
+    pairs = torch.full((m, k // 2), -1, dtype=torch.int32)
+    exps = torch.full((m, 1), -1, dtype=torch.int32)
+    linear_nvfp4._x_f16_pairs_kernel[(1, m)](x, pairs, exps, k, k, x.stride(0), x.stride(1),
+                                             BLOCK=linear_nvfp4.x_scan_block(k), USE_ASM=False, PDL=False, ORDER=bk)
+    perm = dot_order(k, bk)
+    for row in range(m):
+        e, ref = x_pass_reference(x[row], k)
+        assert int(exps[row, 0]) == int(e[0])
+        assert torch.equal(pairs[row].view(torch.float16), natural_fp16(ref)[perm])
+
+
+def test_norm_writes_dot_order():
+    m, k, bk = 2, 256, 128
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    w = torch.randn(k, dtype=torch.bfloat16)
+    made = XPairs.empty(m, k, k, x.device, order=bk)
+    made.pairs.fill_(-1)
+    y = rms_norm_triton(x, w, 1e-6, False, x_pairs=made)
+    for row in range(m):
+        e, ref = x_pass_reference(y[row], k)
+        assert int(made.exps[row, 0]) == int(e[0])
+        assert torch.equal(made.pairs[row].view(torch.float16), natural_fp16(ref)[dot_order(k, bk)])
+
+
+def test_pairs_of_another_order_are_refused():
+    made = XPairs.empty(2, 256, 256, torch.device("cpu"), order=128)
+    with pytest.raises(ValueError, match=r"order 128.*order 0"):
+        made.check(2, 256, 256, torch.device("cpu"))
+    bad = XPairs.empty(2, 384, 384, torch.device("cpu"), order=256)
+    bad.pairs.fill_(7)
+    y = torch.full((2, 384), 5.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x_pairs: order 256 for rows of H = 384"):
+        rms_norm_triton(torch.ones(2, 384, dtype=torch.bfloat16), torch.ones(384, dtype=torch.bfloat16), 1e-6, False,
+                        out=y, x_pairs=bad)
+    assert bool((bad.pairs == 7).all()) and bool((y == 5.0).all())
+
+
+def test_no_wgmma_off_the_gpu():
+    x = torch.randn(32, 2048, dtype=torch.bfloat16)
+    assert not uses_wgmma(x, 151936, 2048, default_plan(x, 151936, 2048, False))
+
+
+# --- GPU ---------------------------------------------------------------------------------------------------
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def run_wgmma(x: torch.Tensor, weight, scale, scale_2, out_dtype):
+    from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
+    m, k = x.shape
+    bk = tile(k)[1]
+    pairs = torch.full((m, k // 2), -1, dtype=torch.int32, device=x.device)
+    exps = torch.empty((m, 1), dtype=torch.int32, device=x.device)
+    linear_nvfp4._x_f16_pairs_kernel[(1, m)](x, pairs, exps, k, k, x.stride(0), x.stride(1),
+                                             BLOCK=linear_nvfp4.x_scan_block(k), USE_ASM=True, PDL=False, ORDER=bk)
+    out = torch.full((m, weight.shape[0]), float("nan"), dtype=out_dtype, device=x.device)
+    gemm_nvfp4_wgmma(pairs.view(torch.float16), exps, weight.view(torch.int32), scale.view(torch.uint8),
+                     scale_2.reshape(1), out, False)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 17, 32])
+@pytest.mark.parametrize("n,k", [(1000, 384), (130, 4096), (64, 128), (129, 2048)])
+def test_gpu_wgmma_matches_reference(m, n, k, out_dtype):
+    """Both tiles ((128, 128, 8) below K = 4096, (64, 256, 4) from it), N off the tile, M below the tile."""
+    x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=m + n, device="cuda")
+    out = run_wgmma(x, weight, scale, scale_2, out_dtype)
+    w = dequantize_nvfp4(weight, scale, scale_2)
+    assert_matches(out, (x.float() @ w.T).to(out_dtype), x.float().abs() @ w.abs().T, sum_rtol=SUM_RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
+@pytest.mark.parametrize("m", [17, 32])
+def test_gpu_linear_runs_wgmma_on_lm_head_plans(m, monkeypatch):
+    """linear_nvfp4_triton picks the wgmma kernel on the LM heads' M = 17-32 plans and matches the reference,
+    as the Triton fp16 dot does with the kernel switched off (WGMMA = False)."""
+    monkeypatch.setattr(linear_nvfp4, "LM_HEAD_MIN_ELEMENTS", 0)
+    n, k = 4096, 2048
+    x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=m, device="cuda")
+    assert uses_wgmma(x, n, k, default_plan(x, n, k, False))   # one K slice (split_k=True would split it here)
+    w = dequantize_nvfp4(weight, scale, scale_2)
+    ref, abs_sum = (x.float() @ w.T).to(x.dtype), x.float().abs() @ w.abs().T
+    for on in (True, False):
+        monkeypatch.setattr(linear_nvfp4, "WGMMA", on)
+        out = torch.full((m, n), float("nan"), dtype=x.dtype, device="cuda")
+        linear_nvfp4_triton(x, weight, scale, scale_2, out=out)
+        assert_matches(out, ref, abs_sum, sum_rtol=SUM_RTOL)
