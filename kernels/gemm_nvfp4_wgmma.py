@@ -1,5 +1,5 @@
 """W4A16 NVFP4 times 17 to 32 rows of 16-bit x on Hopper's wgmma, the decoded weight tile the MMA's A
-operand in registers: no shared-memory round trip for the weight (Gluon; sm_90 only). `linear_nvfp4_triton`
+operand in registers: no shared-memory round trip for the decoded weight (Gluon; sm_90 only). `linear_nvfp4_triton`
 runs it where `uses_wgmma` says; elsewhere the Triton fp16 dot (`_gemm_nvfp4_f16_kernel`) runs.
 
 Why Gluon: Triton's `tl.dot` takes the decoded tile through shared memory (STS, then LDSM into the MMA's
@@ -7,8 +7,9 @@ registers). On 151936 x 2048 at M = 32 that kernel was bound by L1/shared memory
 94% busy, DRAM 28%, 7.5-way bank conflicts on the stores). Here each thread decodes exactly the A fragment it
 holds: wgmma's register A layout (k_width 2) gives the thread in lane 4r + c of warp w the rows 16w + r and
 16w + r + 8 and, in each 16-wide K block, the pairs at 2c and 2c + 8. A permutation of K within each K tile
-of BK makes one word of 8 codes fill such a thread's fragment over two K blocks, so the words are loaded in
-the A layout (16 bytes a thread a row) and `convert_layout(..., assert_trivial=True)` proves no data moves.
+of BK makes one word of 8 codes fill such a thread's fragment over two K blocks, so each thread reads its own
+words (16 bytes a row, from the cp.async ring that keeps two K steps in flight: the packed words are a quarter
+of the decoded tile's bytes) and `convert_layout(..., assert_trivial=True)` proves no data moves after.
 x is permuted the same way by x's pass (`_x_f16_pairs_kernel(ORDER=BK)`), so the products are those of the
 reference, in another order of K.
 
@@ -27,6 +28,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.language.extra.cuda import gdc_wait
 
 from mtpfactory.kernels.linear_nvfp4 import _E2M1X8_F16_SCALED_PTX
@@ -34,13 +36,16 @@ from mtpfactory.kernels.linear_nvfp4 import _E2M1X8_F16_SCALED_PTX
 BM = 32                    # rows of x a program (the wgmma N; fewer rows are masked)
 
 
-@functools.lru_cache(maxsize=None)
-def tile(k: int) -> tuple[int, int, int]:
-    """(weight rows a program, K a step, warps) for an [N, k] weight. H200, 2026-12-03, M = 32, one
-    process, each against the others: 151936 x 2048 at (128, 128, 8) 94.5-94.8 us, (64, 256, 4) 95.4-96.0;
-    154880 x 4096 at (64, 256, 4) 179.4-181.3 us, (128, 128, 8) 188.9-188.9. Loading two steps ahead, or a
-    wgmma left running under the next decode, was no faster (and the latter needs the A registers kept)."""
-    return (64, 256, 4) if k >= 4096 else (128, 128, 8)
+# The tile: 128 weight rows a program (two warpgroups), K steps of 256, 8 warps, a ring of 3 steps (2 in flight;
+# 104 KB of shared memory, 2 programs an SM). H200, 2026-12-03, M = 32, each tile against the others in one
+# process (BENCHMARKS.md, tenth run): 151936 x 2048 87.6 us and 154880 x 4096 171.0-175.4, against 91.6-103.8
+# and 168.1-202.1 for (128, 128, 8) and (64, 128 or 256, 4) rings of 3 to 6, and 94.5 / 178.4 for the best
+# tiles loading one step ahead into registers instead.
+BN, BK, WARPS, STAGES = 128, 256, 8, 3
+# K a multiple of this: whole K steps, and rows of scale pairs (K / 32 int16) whose stride Triton's launcher
+# marks divisible by 16, so each thread's 4-byte cp.async of them is aligned (unmarked, it copies 2 bytes,
+# which cp.async cannot: the compile fails)
+MIN_K_MULTIPLE = 512
 
 
 def dot_order(k: int, bk: int) -> torch.Tensor:
@@ -101,40 +106,70 @@ def _decode(wv, s16, BN: gl.constexpr, BK: gl.constexpr, WORDS: gl.constexpr, A_
     return gl.convert_layout(gl.reshape(t, [BN, BK]), A_OP, assert_trivial=True)
 
 
+@functools.lru_cache(maxsize=None)
+def copy_layouts(bn: int, bk: int, warps: int) -> dict:
+    """`layouts` and the cp.async ring's: the copies (16 bytes of words, 4 of scale pairs a thread) and the ring's
+    plain (unswizzled) buffers for the words and scales, which each thread reads back 16 bytes a row."""
+    plain = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    return dict(layouts(bn, bk, warps),
+                W_COPY=gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (bk // 32), bk // 32],
+                                        warps_per_cta=[warps, 1], order=[1, 0]),
+                S_COPY=gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[32 // (bk // 64), bk // 64],
+                                        warps_per_cta=[warps, 1], order=[1, 0]),
+                W_SMEM=plain, S_SMEM=plain)
+
+
+@gluon.jit
+def _ring_issue(w_sm, s_sm, x_sm, w_ptrs, s_ptrs, x_ptrs, x_mask, kk, BK: gl.constexpr):
+    async_copy.async_copy_global_to_shared(w_sm, w_ptrs + kk // 8)
+    async_copy.async_copy_global_to_shared(s_sm, s_ptrs + kk // 32)
+    async_copy.async_copy_global_to_shared(x_sm, x_ptrs + kk, mask=x_mask)
+    async_copy.commit_group()
+
+
 @gluon.jit
 def _gemm_nvfp4_wgmma_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, M, N, K, stride_wn, stride_sn,
-                             stride_om, stride_on, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr, WORDS: gl.constexpr,
-                             SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr, X_LOAD: gl.constexpr,
-                             X_SMEM: gl.constexpr, PDL: gl.constexpr):
+                                  stride_om, stride_on, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
+                                  WORDS: gl.constexpr, SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr,
+                                  X_LOAD: gl.constexpr, X_SMEM: gl.constexpr, W_COPY: gl.constexpr,
+                                  S_COPY: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr,
+                                  STAGES: gl.constexpr, PDL: gl.constexpr):
     """out [M, N] = x @ w^T for M <= BM: x16 is x's pass's fp16 [M, K] in `dot_order` (times 2^exp[m], one K
     slice), w the words [N, K/8] (int32), s the scale bytes as int16 pairs [N, K/32]; K a multiple of BK.
-    One program a tile of BN rows, the loads one step ahead; rows past N read row N - 1 (stored nowhere).
-    PDL: launched beside x's pass, whose pairs it reads after it ends."""
+    One program a tile of BN rows. Words, scale pairs and x go through a ring of STAGES steps in shared memory
+    (cp.async, STAGES - 1 steps in flight); each thread reads back its own words in the A layout, decodes them
+    into its fragment, and the wgmma takes x from the ring. Rows past N read row N - 1 (stored nowhere); rows
+    of x past M are zero-filled. PDL: launched beside x's pass, whose pairs it reads after it ends."""
     if PDL:
         gdc_wait()
     pid = gl.program_id(0)
-    rows = gl.minimum(pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, WORDS)), N - 1).to(gl.int64)
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, WORDS))[None, :]
-    srows = gl.minimum(pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SCALES)), N - 1).to(gl.int64)
-    s_ptrs = s_ptr + srows[:, None] * stride_sn + gl.arange(0, BK // 32, layout=gl.SliceLayout(0, SCALES))[None, :]
+    rows = gl.minimum(pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, W_COPY)), N - 1).to(gl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, W_COPY))[None, :]
+    srows = gl.minimum(pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, S_COPY)), N - 1).to(gl.int64)
+    s_ptrs = s_ptr + srows[:, None] * stride_sn + gl.arange(0, BK // 32, layout=gl.SliceLayout(0, S_COPY))[None, :]
     xm = gl.arange(0, BM, layout=gl.SliceLayout(1, X_LOAD))
     x_ptrs = x16_ptr + xm[:, None] * K + gl.arange(0, BK, layout=gl.SliceLayout(0, X_LOAD))[None, :]
     x_mask = (xm < M)[:, None]
-    x_smem = gl.allocate_shared_memory(gl.float16, [BM, BK], X_SMEM)
+    w_sm = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], W_SMEM)
+    s_sm = gl.allocate_shared_memory(gl.int16, [STAGES, BN, BK // 32], S_SMEM)
+    x_sm = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], X_SMEM)
+    last = K - BK
+    for j in gl.static_range(STAGES - 1):
+        _ring_issue(w_sm.index(j), s_sm.index(j), x_sm.index(j), w_ptrs, s_ptrs, x_ptrs, x_mask,
+                    gl.multiple_of(gl.minimum(j * BK, last), BK), BK)
     acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
-    wv = gl.load(w_ptrs)
-    s16 = gl.load(s_ptrs)
-    xv = gl.load(x_ptrs, mask=x_mask, other=0.0)
     for k0 in range(0, K, BK):
-        kn = gl.multiple_of(gl.minimum(k0 + BK, K - BK), BK)          # the next step (the last reloads itself)
-        wv_n = gl.load(w_ptrs + kn // 8)
-        s16_n = gl.load(s_ptrs + kn // 32)
-        xv_n = gl.load(x_ptrs + kn, mask=x_mask, other=0.0)
-        a = _decode(wv, s16, BN, BK, WORDS, A_OP)
-        x_smem.store(xv)
+        i = k0 // BK
+        async_copy.wait_group(STAGES - 2)                            # this step's copies landed (this thread's)
+        gl.thread_barrier()                                          # everyone's; the stage refilled below is free
+        nxt = (i + STAGES - 1) % STAGES
+        _ring_issue(w_sm.index(nxt), s_sm.index(nxt), x_sm.index(nxt), w_ptrs, s_ptrs, x_ptrs, x_mask,
+                    gl.multiple_of(gl.minimum(k0 + (STAGES - 1) * BK, last), BK), BK)
+        cur = i % STAGES
+        a = _decode(w_sm.index(cur).load(WORDS), s_sm.index(cur).load(SCALES), BN, BK, WORDS, A_OP)
         hopper.fence_async_shared()
-        acc = hopper.warpgroup_mma(a, x_smem.permute((1, 0)), acc)
-        wv, s16, xv = wv_n, s16_n, xv_n
+        acc = hopper.warpgroup_mma(a, x_sm.index(cur).permute((1, 0)), acc)
+    async_copy.wait_group(0)
     on = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
     om = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
     p = 6 - gl.load(exp_ptr + om, mask=om < M, other=0)               # the decode's 2^-6 and x's 2^e undone
@@ -147,13 +182,16 @@ def _gemm_nvfp4_wgmma_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, M,
 
 def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor, scale_bits: torch.Tensor,
                      scale_2: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
-    """Launch: x16 [M, K] fp16 in `dot_order(K, tile(K)[1])`, exps [M, 1], words [N, K/8] int32, scale_bits
-    [N, K/16] uint8, scale_2 [1] fp32, out [M, N]."""
+    """Launch: x16 [M, K] fp16 in `dot_order(K, BK)`, exps [M, 1], words [N, K/8] int32, scale_bits [N, K/16]
+    uint8, scale_2 [1] fp32, out [M, N]; K a multiple of MIN_K_MULTIPLE, words and scales contiguous."""
     m, k = x16.shape
     n = words.shape[0]
-    bn, bk, warps = tile(k)
+    if k % MIN_K_MULTIPLE or not (words.is_contiguous() and scale_bits.is_contiguous() and x16.is_contiguous()):
+        raise ValueError(f"gemm_nvfp4_wgmma: K = {k}, contiguous words {words.is_contiguous()}, scales "
+                         f"{scale_bits.is_contiguous()}, x {x16.is_contiguous()}; it takes K a multiple of "
+                         f"{MIN_K_MULTIPLE} and contiguous operands: check `uses_wgmma` before calling it")
     s16 = scale_bits.view(torch.int16)
-    _gemm_nvfp4_wgmma_kernel[(triton.cdiv(n, bn),)](
+    _gemm_nvfp4_wgmma_kernel[(triton.cdiv(n, BN),)](
         x16, exps, words, s16, scale_2, out, m, n, k, words.stride(0), s16.stride(0), out.stride(0), out.stride(1),
-        BN=bn, BK=bk, BM=BM, PDL=pdl, num_warps=warps, launch_pdl=pdl, **layouts(bn, bk, warps))
-
+        BN=BN, BK=BK, BM=BM, STAGES=STAGES, PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
+        **copy_layouts(BN, BK, WARPS))

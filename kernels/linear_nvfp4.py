@@ -967,20 +967,20 @@ def _is_sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-# 17 to 32 rows of 16-bit x on the LM heads run the Gluon wgmma kernel on Hopper (sm_90) where K is a multiple of
-# its K tile, one slice (`uses_wgmma`); False keeps the Triton fp16 dot there (comparisons)
+# 17 to 32 rows of 16-bit x on the LM heads run the Gluon wgmma kernel on Hopper (sm_90) where K allows it, one
+# K slice (`uses_wgmma`); False keeps the Triton fp16 dot there (comparisons)
 WGMMA = True
 
 
 def uses_wgmma(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
     """Whether an fp16-dot plan (`uses_f16_dot`) runs the Gluon wgmma kernel instead, with the decoded tile as
-    the MMA's register operand (`gemm_nvfp4_wgmma.py`): on sm_90, K a multiple of its K tile, one K slice.
-    H200, 2026-12-03, M = 32: 151936 x 2048 94.5 us against 132.9 for x's pass and the fp16 dot; 154880 x
-    4096 179.4 against 267.1."""
+    the MMA's register operand (`gemm_nvfp4_wgmma.py`): on sm_90, K a multiple of `MIN_K_MULTIPLE`, one K slice.
+    H200, 2026-12-03, M = 32 (BENCHMARKS.md, tenth run): 151936 x 2048 87.6 us against 132.9 for x's pass
+    and the fp16 dot; 154880 x 4096 171.0-175.4 against 267.1."""
     if not (WGMMA and x.is_cuda and uses_f16_dot(x, n, k, plan) and plan.splits == 1 and _is_sm90(x.device)):
         return False
-    from mtpfactory.kernels.gemm_nvfp4_wgmma import tile
-    return k % tile(k)[1] == 0
+    from mtpfactory.kernels.gemm_nvfp4_wgmma import MIN_K_MULTIPLE
+    return k % MIN_K_MULTIPLE == 0
 
 
 def x_pass_order(x: torch.Tensor, n: int, k: int, split_k: bool) -> int:
@@ -992,8 +992,8 @@ def x_pass_order(x: torch.Tensor, n: int, k: int, split_k: bool) -> int:
 def _pairs_order(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> int:
     if not uses_wgmma(x, n, k, plan):
         return 0
-    from mtpfactory.kernels.gemm_nvfp4_wgmma import tile
-    return tile(k)[1]
+    from mtpfactory.kernels.gemm_nvfp4_wgmma import BK
+    return BK
 
 
 def runs_x_pass(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:

@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 
-from mtpfactory.kernels.gemm_nvfp4_wgmma import dot_order, tile
+from mtpfactory.kernels.gemm_nvfp4_wgmma import BK, dot_order
 from mtpfactory.kernels.linear_nvfp4 import XPairs, default_plan, linear_nvfp4_triton, uses_wgmma
 from mtpfactory.kernels.rms_norm import rms_norm_triton
 from mtpfactory.quant import dequantize_nvfp4
@@ -80,6 +80,14 @@ def test_pairs_of_another_order_are_refused():
     assert bool((bad.pairs == 7).all()) and bool((y == 5.0).all())
 
 
+def test_wgmma_refuses_k_it_cannot_copy():
+    from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
+    x16 = torch.zeros(2, 768, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"K = 768.*a multiple of 512"):
+        gemm_nvfp4_wgmma(x16, torch.zeros(2, 1, dtype=torch.int32), torch.zeros(4, 96, dtype=torch.int32),
+                         torch.zeros(4, 48, dtype=torch.uint8), torch.ones(1), torch.empty(2, 4), False)
+
+
 def test_no_wgmma_off_the_gpu():
     x = torch.randn(32, 2048, dtype=torch.bfloat16)
     assert not uses_wgmma(x, 151936, 2048, default_plan(x, 151936, 2048, False))
@@ -94,7 +102,7 @@ def _sm90() -> bool:
 def run_wgmma(x: torch.Tensor, weight, scale, scale_2, out_dtype):
     from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
     m, k = x.shape
-    bk = tile(k)[1]
+    bk = BK
     pairs = torch.full((m, k // 2), -1, dtype=torch.int32, device=x.device)
     exps = torch.empty((m, 1), dtype=torch.int32, device=x.device)
     linear_nvfp4._x_f16_pairs_kernel[(1, m)](x, pairs, exps, k, k, x.stride(0), x.stride(1),
@@ -109,9 +117,10 @@ def run_wgmma(x: torch.Tensor, weight, scale, scale_2, out_dtype):
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 17, 32])
-@pytest.mark.parametrize("n,k", [(1000, 384), (130, 4096), (64, 128), (129, 2048)])
+@pytest.mark.parametrize("n,k", [(1000, 1536), (130, 4096), (64, 512), (129, 2048)])
 def test_gpu_wgmma_matches_reference(m, n, k, out_dtype):
-    """Both tiles ((128, 128, 8) below K = 4096, (64, 256, 4) from it), N off the tile, M below the tile."""
+    """N off the tile (and under it), M below it, K of 2 to 16 steps (the ring's refills past the end reload
+    the last step), rows of x past M zero-filled."""
     x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=m + n, device="cuda")
     out = run_wgmma(x, weight, scale, scale_2, out_dtype)
     w = dequantize_nvfp4(weight, scale, scale_2)
