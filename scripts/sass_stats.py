@@ -13,6 +13,7 @@ x's pairs from x's own pass with --x-pass (and, as on the H200, launched beside 
     python3 scripts/sass_stats.py nvfp4-gemm --tile 32,64,256 --swap --stages 2
     python3 scripts/sass_stats.py nvfp4-gemv --tile 1,64,256 --stages 2 --x-pass
     python3 scripts/sass_stats.py nvfp4-gemv --tile 8,64,256 --stages 2        (the GEMV of 8 rows)
+    python3 scripts/sass_stats.py nvfp4-wgmma     (the Gluon kernel of M = 17-32 on the LM heads: its own tile)
     python3 scripts/sass_stats.py {bf16,fp8}-{gemv,gemm} ...  [--warps 4] [--stages 3] [--sass out.sass]
 """
 
@@ -30,10 +31,12 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 # the modules (the package exports the Ops under the same names)
 linear = importlib.import_module("mtpfactory.kernels.linear")
 linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
+wgmma = importlib.import_module("mtpfactory.kernels.gemm_nvfp4_wgmma")
 
 _PTRS = ("x_ptr", "x16_ptr", "pairs_ptr", "exp_ptr", "w_ptr", "scale_ptr", "s_ptr", "s2_ptr", "out_ptr", "part_ptr")
 _DIVISIBLE = _PTRS + ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_om")
@@ -49,6 +52,12 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
     """(jit function, argument types, constexprs) of a preset (the NVFP4 dot kernel loads `stages` - 1 K steps
     ahead itself and compiles with Triton's pipelining off, as its launcher does)."""
     fmt, kind = name.split("-")
+    if kind == "wgmma":                                              # the Gluon kernel, at its own tile
+        return (wgmma._gemm_nvfp4_wgmma_kernel,
+                {"x16_ptr": "*fp16", "exp_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*i16", "s2_ptr": "*fp32",
+                 "out_ptr": "*bf16"},
+                dict(wgmma.copy_layouts(wgmma.BN, wgmma.BK, wgmma.WARPS), BN=wgmma.BN, BK=wgmma.BK, BM=wgmma.BM,
+                     STAGES=wgmma.STAGES, PDL=True))
     dot = kind == "gemm"
     if fmt == "nvfp4":
         types = {"x_ptr": "*bf16", "pairs_ptr": "*i32", "exp_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8",
@@ -83,7 +92,8 @@ def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, nu
     sig = _signature(fn, types, constexprs)
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in _DIVISIBLE if a in sig}
-    compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+    source = GluonASTSource if fn is wgmma._gemm_nvfp4_wgmma_kernel else ASTSource
+    compiled = triton.compile(source(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
@@ -126,7 +136,8 @@ def loop_body(sass: str) -> list[tuple[str, str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kernel", choices=[f"{f}-{k}" for f in ("bf16", "fp8", "nvfp4") for k in ("gemv", "gemm")])
+    ap.add_argument("kernel", choices=[f"{f}-{k}" for f in ("bf16", "fp8", "nvfp4") for k in ("gemv", "gemm")]
+                    + ["nvfp4-wgmma"])
     ap.add_argument("--tile", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K (default: 1,32,256 or 32,128,64)")
     ap.add_argument("--swap", action="store_true", help="the weight tile as the dot's first operand")
     ap.add_argument("--warps", type=int, default=4)
@@ -137,13 +148,15 @@ def main() -> int:
                          "nvfp4-gemm: the fp16 dot on x's pass's pairs (`uses_f16_dot`), not the bf16 one")
     ap.add_argument("--sass", default=None, help="also write the whole disassembly here")
     args = ap.parse_args()
-    dot = args.kernel.endswith("gemm")
+    dot = args.kernel.endswith("gemm") or args.kernel.endswith("wgmma")
     bm, bn, bk = (int(v) for v in (args.tile or ("32,128,64" if dot else "1,32,256")).split(","))
+    if args.kernel == "nvfp4-wgmma":                                 # its tile and warps are the module's
+        bm, bn, bk, args.warps, args.stages = wgmma.BM, wgmma.BN, wgmma.BK, wgmma.WARPS, wgmma.STAGES
     if dot != (bm >= 16) or (bm > 1 and not dot and args.kernel != "nvfp4-gemv"):
         ap.error(f"--tile {bm},{bn},{bk}: a gemm tile has BLOCK_M 16 or 32, a gemv tile BLOCK_M 1 (nvfp4-gemv: "
                  "up to 8, the GEMV of several rows)")
     fn, types, constexprs = kernel(args.kernel, bm, bn, bk, args.swap, args.stages, args.x_pass)
-    stages = 1 if "AHEAD" in constexprs else args.stages
+    stages = 1 if "AHEAD" in constexprs or "STAGES" in constexprs else args.stages
     sass, regs, spills = compile_sass(fn, types, constexprs, args.warps, stages)
     if args.sass:
         with open(args.sass, "w") as f:
