@@ -38,7 +38,7 @@ BM = 32                    # rows of x a program (the wgmma N; fewer rows are ma
 
 # The tile: 128 weight rows a program (two warpgroups), K steps of 256, 8 warps, a ring of 3 steps (2 in flight;
 # 104 KB of shared memory, 2 programs an SM). H200, 2026-12-03, M = 32, each tile against the others in one
-# process (BENCHMARKS.md, tenth run): 151936 x 2048 87.6 us and 154880 x 4096 171.0-175.4, against 91.6-103.8
+# process (BENCHMARKS.md, eleventh run): 151936 x 2048 87.6 us and 154880 x 4096 171.0-175.4, against 91.6-103.8
 # and 168.1-202.1 for (128, 128, 8) and (64, 128 or 256, 4) rings of 3 to 6, and 94.5 / 178.4 for the best
 # tiles loading one step ahead into registers instead.
 BN, BK, WARPS, STAGES = 128, 256, 8, 3
@@ -121,6 +121,7 @@ def copy_layouts(bn: int, bk: int, warps: int) -> dict:
 
 @gluon.jit
 def _ring_issue(w_sm, s_sm, x_sm, w_ptrs, s_ptrs, x_ptrs, x_mask, kk, BK: gl.constexpr):
+    """The copies of the K step at kk into one stage of the ring, as one cp.async group."""
     async_copy.async_copy_global_to_shared(w_sm, w_ptrs + kk // 8)
     async_copy.async_copy_global_to_shared(s_sm, s_ptrs + kk // 32)
     async_copy.async_copy_global_to_shared(x_sm, x_ptrs + kk, mask=x_mask)
@@ -129,13 +130,13 @@ def _ring_issue(w_sm, s_sm, x_sm, w_ptrs, s_ptrs, x_ptrs, x_mask, kk, BK: gl.con
 
 @gluon.jit
 def _gemm_nvfp4_wgmma_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, M, N, K, stride_wn, stride_sn,
-                                  stride_om, stride_on, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
-                                  WORDS: gl.constexpr, SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr,
-                                  X_LOAD: gl.constexpr, X_SMEM: gl.constexpr, W_COPY: gl.constexpr,
-                                  S_COPY: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr,
-                                  STAGES: gl.constexpr, PDL: gl.constexpr):
+                             stride_om, stride_on, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
+                             WORDS: gl.constexpr, SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr,
+                             X_LOAD: gl.constexpr, X_SMEM: gl.constexpr, W_COPY: gl.constexpr, S_COPY: gl.constexpr,
+                             W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
     """out [M, N] = x @ w^T for M <= BM: x16 is x's pass's fp16 [M, K] in `dot_order` (times 2^exp[m], one K
-    slice), w the words [N, K/8] (int32), s the scale bytes as int16 pairs [N, K/32]; K a multiple of BK.
+    slice), w the words [N, K/8] (int32), s the scale bytes as int16 pairs [N, K/32]; K a multiple of
+    MIN_K_MULTIPLE (`gemm_nvfp4_wgmma` checks).
     One program a tile of BN rows. Words, scale pairs and x go through a ring of STAGES steps in shared memory
     (cp.async, STAGES - 1 steps in flight); each thread reads back its own words in the A layout, decodes them
     into its fragment, and the wgmma takes x from the ring. Rows past N read row N - 1 (stored nowhere); rows
@@ -160,14 +161,14 @@ def _gemm_nvfp4_wgmma_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, M,
     acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
     for k0 in range(0, K, BK):
         i = k0 // BK
-        async_copy.wait_group(STAGES - 2)                            # this step's copies landed (this thread's)
+        async_copy.wait_group(STAGES - 2)                            # this step's copies landed (this thread's),
+        hopper.fence_async_shared()                                  # visible to the wgmma's async proxy,
         gl.thread_barrier()                                          # everyone's; the stage refilled below is free
         nxt = (i + STAGES - 1) % STAGES
         _ring_issue(w_sm.index(nxt), s_sm.index(nxt), x_sm.index(nxt), w_ptrs, s_ptrs, x_ptrs, x_mask,
                     gl.multiple_of(gl.minimum(k0 + (STAGES - 1) * BK, last), BK), BK)
         cur = i % STAGES
         a = _decode(w_sm.index(cur).load(WORDS), s_sm.index(cur).load(SCALES), BN, BK, WORDS, A_OP)
-        hopper.fence_async_shared()
         acc = hopper.warpgroup_mma(a, x_sm.index(cur).permute((1, 0)), acc)
     async_copy.wait_group(0)
     on = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
