@@ -9,6 +9,13 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/mtpf-out}
 mkdir -p "$OUT"
+# omegaconf 2.3 loads only antlr4-python3-runtime 4.9.x ("Could not deserialize ATN with version 3 (expected 4)"
+# otherwise); gpu-wheels.sh copies whatever version the machine that runs it has (2026-12-03: 4.13.2)
+if ! compgen -G ".whl/antlr4_python3_runtime-4.9.*" > /dev/null || compgen -G ".whl/antlr4_python3_runtime-4.1[0-9]*" > /dev/null; then
+  echo "device_run.sh: .whl needs antlr4-python3-runtime 4.9.x alone (omegaconf 2.3); here: $(ls .whl | grep antlr)." \
+       "Fix: rm .whl/antlr4_python3_runtime-*; python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3" >&2
+  exit 1
+fi
 rm -rf /tmp/site &&   # a warm machine keeps /tmp/site, and pip --target does not replace a package
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
