@@ -65,7 +65,10 @@ def dot_order(k: int, bk: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def layouts(bn: int, bk: int, warps: int) -> dict:
-    """The kernel's layouts for tiles of bn weight rows (64 a warpgroup) and bk of K (a multiple of 128)."""
+    """The kernel's layouts for tiles of bn weight rows (64 a warpgroup) and bk of K (a multiple of 128): the
+    registers' (words and scale pairs as each thread decodes them, the accumulator and the A operand), the
+    copies' (16 bytes of words, 4 of scale pairs, 16 of x a thread) and the ring's (x swizzled for the wgmma;
+    words and scales plain, each thread reading back 16 bytes a row)."""
     wg = warps // 4
     assert bn == 64 * wg and bk % 128 == 0, (bn, bk, warps)
     per = bk // 32                                                   # words a row a thread
@@ -82,10 +85,16 @@ def layouts(bn: int, bk: int, warps: int) -> dict:
         lane_bases=[[0, per // 4], [0, per // 2], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
         shape=[bn, bk // 32])
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BM, 16])
+    plain = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     return dict(WORDS=words, SCALES=scales, ACC=acc, A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2),
                 X_LOAD=gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[warps, 1],
                                         order=[1, 0]),
-                X_SMEM=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+                X_SMEM=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
+                W_COPY=gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (bk // 32), bk // 32],
+                                        warps_per_cta=[warps, 1], order=[1, 0]),
+                S_COPY=gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[32 // (bk // 64), bk // 64],
+                                        warps_per_cta=[warps, 1], order=[1, 0]),
+                W_SMEM=plain, S_SMEM=plain)
 
 
 @gluon.jit
@@ -104,19 +113,6 @@ def _decode(wv, s16, BN: gl.constexpr, BK: gl.constexpr, WORDS: gl.constexpr, A_
     t = gl.reshape(t, [BN, 4, BK // 32, 2, 2, 2])                     # [n, c, b, j0, j1, j2]
     t = gl.permute(t, (0, 2, 5, 4, 1, 3))                             # [n, b, j2, j1, c, j0]: dot position
     return gl.convert_layout(gl.reshape(t, [BN, BK]), A_OP, assert_trivial=True)
-
-
-@functools.lru_cache(maxsize=None)
-def copy_layouts(bn: int, bk: int, warps: int) -> dict:
-    """`layouts` and the cp.async ring's: the copies (16 bytes of words, 4 of scale pairs a thread) and the ring's
-    plain (unswizzled) buffers for the words and scales, which each thread reads back 16 bytes a row."""
-    plain = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    return dict(layouts(bn, bk, warps),
-                W_COPY=gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (bk // 32), bk // 32],
-                                        warps_per_cta=[warps, 1], order=[1, 0]),
-                S_COPY=gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[32 // (bk // 64), bk // 64],
-                                        warps_per_cta=[warps, 1], order=[1, 0]),
-                W_SMEM=plain, S_SMEM=plain)
 
 
 @gluon.jit
@@ -195,4 +191,4 @@ def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor,
     _gemm_nvfp4_wgmma_kernel[(triton.cdiv(n, BN),)](
         x16, exps, words, s16, scale_2, out, m, n, k, words.stride(0), s16.stride(0), out.stride(0), out.stride(1),
         BN=BN, BK=BK, BM=BM, STAGES=STAGES, PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
-        **copy_layouts(BN, BK, WARPS))
+        **layouts(BN, BK, WARPS))

@@ -924,8 +924,8 @@ class XPairs:
     """What x's pass (`_x_f16_pairs_kernel`) writes for x [M, K], made by the kernel that computes x (the final
     RMSNorm: `rms_norm_triton(x_pairs=...)`) so that the GEMV need not launch the pass: the scaled fp16
     pairs (int32 [M, K/2]) and each K slice's exponent (int32 [M, slices]), in slices of k_per_split (the
-    GEMV's plan's: `x_pass_split`), the pairs in the order `order` names (`x_pass_order`: 0 for the GEMVs and
-    the fp16 dot, the K tile of the wgmma kernel's `dot_order`)."""
+    GEMV's plan's: `x_pass_split`), the pairs in the order `order` names (0 for the GEMVs and the fp16 dot,
+    the K tile of the wgmma kernel's `dot_order`); `planned_x_pairs` makes them as a call will read them."""
     pairs: torch.Tensor
     exps: torch.Tensor
     k_per_split: int
@@ -948,8 +948,8 @@ class XPairs:
             raise ValueError(f"x_pairs: pairs {got[0]} {self.pairs.dtype}, exps {got[1]} {self.exps.dtype} on "
                              f"{self.pairs.device}, k_per_split {got[2]}, order {got[3]}; this call needs "
                              f"contiguous int32 pairs {want[0]} and exps {want[1]} on {device}, k_per_split "
-                             f"{want[2]}, order {want[3]}: make them with the plan's `x_pass_split` and "
-                             "`x_pass_order`, or pass x_pairs=None")
+                             f"{want[2]}, order {want[3]}: make them with `planned_x_pairs`, or pass "
+                             "x_pairs=None")
 
 
 def uses_f16_dot(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
@@ -983,13 +983,8 @@ def uses_wgmma(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
     return k % MIN_K_MULTIPLE == 0
 
 
-def x_pass_order(x: torch.Tensor, n: int, k: int, split_k: bool) -> int:
-    """The `XPairs.order` the planned call of x [M, k] on an [n, k] weight reads: the wgmma kernel's K tile
-    where it runs (`uses_wgmma`), else 0."""
-    return _pairs_order(x, n, k, default_plan(x, n, k, split_k))
-
-
 def _pairs_order(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> int:
+    """The `XPairs.order` a call on this plan reads: the wgmma kernel's K tile where it runs, else 0."""
     if not uses_wgmma(x, n, k, plan):
         return 0
     from mtpfactory.kernels.gemm_nvfp4_wgmma import BK
@@ -1007,6 +1002,16 @@ def x_pass_split(x: torch.Tensor, n: int, k: int, split_k: bool) -> int | None:
     where it makes none (its plan runs no x pass)."""
     plan = default_plan(x, n, k, split_k)
     return plan.k_per_split if runs_x_pass(x, n, k, plan) else None
+
+
+def planned_x_pairs(x: torch.Tensor, n: int, k: int, split_k: bool) -> XPairs | None:
+    """Empty `XPairs` for the kernel that computes x [M, k] to fill (the final norm), as the planned call of x
+    on an [n, k] weight reads them: its plan's K slices, and the order of the kernel it runs (`XPairs.order`);
+    None where that call runs no x pass."""
+    plan = default_plan(x, n, k, split_k)
+    if not runs_x_pass(x, n, k, plan):
+        return None
+    return XPairs.empty(x.shape[0], k, plan.k_per_split, x.device, _pairs_order(x, n, k, plan))
 
 
 def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool) -> GemvPlan:
@@ -1064,7 +1069,7 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     wgmma = order > 0
     if x_pairs is not None:
         x_pairs.check(m, k, plan.k_per_split, x.device, order)
-    part = None if wgmma else partial_buffer(plan, m, n, x)
+    part = partial_buffer(plan, m, n, x)                              # None for the wgmma kernel: one slice
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     scale_2 = weight_scale_2.reshape(1)

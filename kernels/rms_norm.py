@@ -103,11 +103,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
                              "pass x_pairs=None")
         if x_pairs.k_per_split % 8 or x_pairs.k_per_split <= 0:
             raise ValueError(f"x_pairs: k_per_split = {x_pairs.k_per_split}; slices hold whole 8-element words "
-                             "(a positive multiple of 8): take it from the GEMV's plan (`x_pass_split`)")
+                             "(a positive multiple of 8): make the pairs with `planned_x_pairs`")
         if x_pairs.order and (x_pairs.order % 128 or H % x_pairs.order):
             raise ValueError(f"x_pairs: order {x_pairs.order} for rows of H = {H}; an order is 0 or the wgmma "
-                             "kernel's K tile, a multiple of 128 dividing H: take it from the GEMV's plan "
-                             "(`x_pass_order`)")
+                             "kernel's K tile, a multiple of 128 dividing H: make the pairs with "
+                             "`planned_x_pairs`")
         x_pairs.check(M, H, x_pairs.k_per_split, x.device, x_pairs.order)
     if M:
         block = triton.next_power_of_2(H)

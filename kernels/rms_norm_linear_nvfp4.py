@@ -3,7 +3,7 @@
 `residual`, (logits, y, x + residual).
 
 The reference is the two references in turn. The Triton provider runs the two Triton providers in turn,
-but where the GEMV's plan runs x's pass (`x_pass_split`: 16-bit x, several rows or a weight of 2^26
+but where the GEMV's plan runs x's pass (`planned_x_pairs`: 16-bit x, several rows or a weight of 2^26
 elements or more, the LM heads) the norm makes that pass's pairs and exponents from the row it holds in
 registers (`rms_norm_triton(x_pairs=...)`) and the GEMV reads them: one launch fewer, and no reload of x.
 The GEMV is then a programmatic dependent launch after the norm (`linear.x_pass_pdl`). Its results equal
@@ -16,12 +16,10 @@ import torch
 
 from mtpfactory.kernels.linear import x_pass_pdl
 from mtpfactory.kernels.linear_nvfp4 import (
-    XPairs,
     _linear_nvfp4_native,
     _linear_nvfp4_supports,
     linear_nvfp4_triton,
-    x_pass_order,
-    x_pass_split,
+    planned_x_pairs,
 )
 from mtpfactory.kernels.rms_norm import _rms_norm_native, _rms_norm_supports, rms_norm_triton
 from mtpfactory.ops import Op
@@ -44,9 +42,7 @@ def rms_norm_linear_nvfp4_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps
                                  weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                                  residual: torch.Tensor | None = None, split_work: bool = True):
     m, k = x.shape
-    k_per_split = x_pass_split(x, weight.shape[0], k, split_work)
-    x_pairs = (None if k_per_split is None or m == 0 else
-               XPairs.empty(m, k, k_per_split, x.device, x_pass_order(x, weight.shape[0], k, split_work)))
+    x_pairs = None if m == 0 else planned_x_pairs(x, weight.shape[0], k, split_work)
     pdl = x_pairs is not None and x_pass_pdl(x)
     normed = rms_norm_triton(x, norm_weight, eps, zero_centred, residual, x_pairs=x_pairs, pdl=pdl)
     y = normed if residual is None else normed[0]

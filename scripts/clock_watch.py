@@ -33,7 +33,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
     _x_f16_pairs_kernel,
     default_plan,
     linear_nvfp4_triton,
-    x_pass_split,
+    planned_x_pairs,
     x_scan_block,
 )
 from mtpfactory.kernels.rms_norm import rms_norm_triton
@@ -110,7 +110,7 @@ def fused_calls(label: str, x: torch.Tensor, weights: list) -> list:
         return [lambda t=t: linear_nvfp4_triton(rms_norm_triton(x, norm_w, 1e-6, True, res)[0], *t, split_k=True)
                 for t in weights]
     n = weights[0][0].shape[0]
-    x_pairs = XPairs.empty(x.shape[0], k, x_pass_split(x, n, k, True), x.device)
+    x_pairs = planned_x_pairs(x, n, k, True)
     y, _ = rms_norm_triton(x, norm_w, 1e-6, True, res, x_pairs=x_pairs)
     return [lambda t=t: linear_nvfp4_triton(y, *t, split_k=True, x_pairs=x_pairs) for t in weights]
 

@@ -56,7 +56,7 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
         return (wgmma._gemm_nvfp4_wgmma_kernel,
                 {"x16_ptr": "*fp16", "exp_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*i16", "s2_ptr": "*fp32",
                  "out_ptr": "*bf16"},
-                dict(wgmma.copy_layouts(wgmma.BN, wgmma.BK, wgmma.WARPS), BN=wgmma.BN, BK=wgmma.BK, BM=wgmma.BM,
+                dict(wgmma.layouts(wgmma.BN, wgmma.BK, wgmma.WARPS), BN=wgmma.BN, BK=wgmma.BK, BM=wgmma.BM,
                      STAGES=wgmma.STAGES, PDL=True))
     dot = kind == "gemm"
     if fmt == "nvfp4":

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mtpfactory.kernels.gemm_nvfp4_wgmma import BK, dot_order
-from mtpfactory.kernels.linear_nvfp4 import XPairs, default_plan, linear_nvfp4_triton, uses_wgmma
+from mtpfactory.kernels.linear_nvfp4 import XPairs, default_plan, linear_nvfp4_triton, planned_x_pairs, uses_wgmma
 from mtpfactory.kernels.rms_norm import rms_norm_triton
 from mtpfactory.quant import dequantize_nvfp4
 from gemv_common import SUM_RTOL, assert_matches, nvfp4_inputs, x_pass_reference
@@ -86,6 +86,20 @@ def test_wgmma_refuses_k_it_cannot_copy():
     with pytest.raises(ValueError, match=r"K = 768.*a multiple of 512"):
         gemm_nvfp4_wgmma(x16, torch.zeros(2, 1, dtype=torch.int32), torch.zeros(4, 96, dtype=torch.int32),
                          torch.zeros(4, 48, dtype=torch.uint8), torch.ones(1), torch.empty(2, 4), False)
+
+
+def test_planned_pairs_carry_the_order_of_the_kernel_that_reads_them(monkeypatch):
+    """`planned_x_pairs` (what the final norm fills) takes the plan's K slices and the order of the kernel the
+    call runs: the GEMVs' on the CPU, the wgmma kernel's K tile where it runs (forced here); none for fp32 x."""
+    n, k = 151936, 2048
+    x = torch.randn(32, k, dtype=torch.bfloat16)
+    plan = default_plan(x, n, k, True)
+    made = planned_x_pairs(x, n, k, True)
+    assert (made.order, made.k_per_split) == (0, plan.k_per_split)
+    monkeypatch.setattr(linear_nvfp4, "uses_wgmma", lambda *args: True)
+    made = planned_x_pairs(x, n, k, True)
+    assert (made.order, made.k_per_split) == (BK, plan.k_per_split)
+    assert planned_x_pairs(x.float(), n, k, True) is None
 
 
 def test_no_wgmma_off_the_gpu():
