@@ -1,6 +1,6 @@
-"""W4A16 NVFP4 times 17 to 32 rows of 16-bit x on Hopper's wgmma, the decoded weight tile the MMA's A
+"""W4A16 NVFP4 times 2 to 32 rows of 16-bit x on Hopper's wgmma, the decoded weight tile the MMA's A
 operand in registers: no shared-memory round trip for the decoded weight (Gluon; sm_90 only). `linear_nvfp4_triton`
-runs it where `uses_wgmma` says; elsewhere the Triton fp16 dot (`_gemm_nvfp4_f16_kernel`) runs.
+runs it where the plan says (`GemvPlan.wgmma`); elsewhere the Triton GEMV or dots run.
 
 Why Gluon: Triton's `tl.dot` takes the decoded tile through shared memory (STS, then LDSM into the MMA's
 registers). On 151936 x 2048 at M = 32 that kernel was bound by L1/shared memory (Nsight Compute: L1/TEX
@@ -21,6 +21,7 @@ to dot position 32 b + 16 j2 + 8 j1 + 2 c + j0 (`dot_order`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -33,19 +34,45 @@ from triton.language.extra.cuda import gdc_wait
 
 from mtpfactory.kernels.linear_nvfp4 import _E2M1X8_F16_SCALED_PTX
 
-BM = 32                    # rows of x a program (the wgmma N; fewer rows are masked)
+def block_m(m: int) -> int:
+    """Rows of x a program for M rows (the wgmma N: 8, 16 or 32; rows past M are zero-filled)."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
-# The tile: 128 weight rows a program (two warpgroups), K steps of 256, 8 warps, a ring of 3 steps (2 in flight;
-# 104 KB of shared memory, 2 programs an SM). H200, 2026-12-03, M = 32, each tile against the others in one
-# process (BENCHMARKS.md, eleventh run): 151936 x 2048 87.6 us and 154880 x 4096 171.0-175.4, against 91.6-103.8
-# and 168.1-202.1 for (128, 128, 8) and (64, 128 or 256, 4) rings of 3 to 6, and 94.5 / 178.4 for the best
-# tiles loading one step ahead into registers instead.
-BN, BK, WARPS, STAGES = 128, 256, 8, 3
+@dataclasses.dataclass(frozen=True)
+class WgmmaTile:
+    """One launch's tile: `bn` weight rows a program (16 a warp, 64 a warpgroup), K steps of `bk` (the K tile
+    of `dot_order`) through a ring of `stages` steps in shared memory, `stages` - 1 in flight."""
+    bn: int = 128
+    bk: int = 256
+    warps: int = 8
+    stages: int = 3
+
+    def __post_init__(self):
+        if not (self.bn == 16 * self.warps and self.warps % 4 == 0 and self.bk % 128 == 0
+                and MIN_K_MULTIPLE % self.bk == 0 and self.stages >= 2):
+            raise ValueError(f"WgmmaTile: {self}; it takes whole warpgroups of 16 rows a warp (bn = 16 * warps, "
+                             f"warps a multiple of 4), bk a multiple of 128 dividing {MIN_K_MULTIPLE}, and 2 "
+                             "stages or more")
+
+
 # K a multiple of this: whole K steps, and rows of scale pairs (K / 32 int16) whose stride Triton's launcher
 # marks divisible by 16, so each thread's 4-byte cp.async of them is aligned (unmarked, it copies 2 bytes,
 # which cp.async cannot: the compile fails)
 MIN_K_MULTIPLE = 512
+# The tile by rows of x a program (`block_m`). H200, each tile against the others in one process, the median of
+# 3 alternating rounds (BENCHMARKS.md, twelfth run; microseconds, 151936 x 2048 / 154880 x 4096):
+# - 8 and 16 rows: 64 weight rows a program (one warpgroup), K steps of 256, 4 warps, a ring of 3 steps (39 KB
+#   of shared memory at 8 rows, 51 KB at 16). M = 2, 4, 8: 57.2, 57.4, 61.2 / 120.8, 125.2, 127.4, against 62.1,
+#   61.5, 63.4 / 119.2, 120.1, 128.1 for a ring of 4 and 68.9-69.6 / 134.7-135.4 for 32's tile; M = 16: 71.9 /
+#   146.1, against 73.7-74.0 / 145.3-146.8.
+# - 32 rows: 128 weight rows a program (two warpgroups sharing x), K steps of 256, 8 warps, a ring of 3 steps
+#   (104 KB, 2 programs an SM): 88.0 / 173.9, against 91.0-128.4 / 177.0-226.7 for one warpgroup in rings of
+#   3 to 6 (eleventh run: 87.6 / 171.0-175.4, against 91.6-103.8 / 168.1-202.1 for (128, 128, 8) and (64, 128
+#   or 256, 4) rings of 3 to 6, and 94.5 / 178.4 loading one step ahead into registers instead).
+TILES = {8: WgmmaTile(bn=64, warps=4, stages=3), 16: WgmmaTile(bn=64, warps=4, stages=3), 32: WgmmaTile()}
+ORDER = 256                # the `XPairs.order` (the K tile of `dot_order`) the kernel reads x in: every tile's bk
+assert all(t.bk == ORDER for t in TILES.values())
 
 
 def dot_order(k: int, bk: int) -> torch.Tensor:
@@ -64,13 +91,13 @@ def dot_order(k: int, bk: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def layouts(bn: int, bk: int, warps: int) -> dict:
-    """The kernel's layouts for tiles of bn weight rows (64 a warpgroup) and bk of K (a multiple of 128): the
-    registers' (words and scale pairs as each thread decodes them, the accumulator and the A operand), the
-    copies' (16 bytes of words, 4 of scale pairs, 16 of x a thread) and the ring's (x swizzled for the wgmma;
-    words and scales plain, each thread reading back 16 bytes a row)."""
+def layouts(bn: int, bk: int, warps: int, bm: int) -> dict:
+    """The kernel's layouts for tiles of bn weight rows (64 a warpgroup), bk of K (a multiple of 128) and bm
+    rows of x: the registers' (words and scale pairs as each thread decodes them, the accumulator and the A
+    operand), the copies' (16 bytes of words, 4 of scale pairs, 16 of x a thread) and the ring's (x swizzled
+    for the wgmma; words and scales plain, each thread reading back bk / 16 bytes a row)."""
     wg = warps // 4
-    assert bn == 64 * wg and bk % 128 == 0, (bn, bk, warps)
+    assert bn == 64 * wg and bk % 128 == 0 and bm in (8, 16, 32), (bn, bk, warps, bm)
     per = bk // 32                                                   # words a row a thread
     lg = lambda v: v.bit_length() - 1                                # noqa: E731
     rows_w = [[16 << i, 0] for i in range(2 + lg(wg))]
@@ -84,11 +111,11 @@ def layouts(bn: int, bk: int, warps: int) -> dict:
         reg_bases=[[0, 1 << i] for i in range(lg(per // 4))] + [[8, 0]],
         lane_bases=[[0, per // 4], [0, per // 2], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
         shape=[bn, bk // 32])
-    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BM, 16])
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bm, 16])
     plain = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     return dict(WORDS=words, SCALES=scales, ACC=acc, A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2),
-                X_LOAD=gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[warps, 1],
-                                        order=[1, 0]),
+                X_LOAD=gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16] if bm >= 16 else [1, 32],
+                                        warps_per_cta=[warps, 1], order=[1, 0]),
                 X_SMEM=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
                 W_COPY=gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (bk // 32), bk // 32],
                                         warps_per_cta=[warps, 1], order=[1, 0]),
@@ -178,17 +205,21 @@ def _gemm_nvfp4_wgmma_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, M,
 
 
 def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor, scale_bits: torch.Tensor,
-                     scale_2: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
-    """Launch: x16 [M, K] fp16 in `dot_order(K, BK)`, exps [M, 1], words [N, K/8] int32, scale_bits [N, K/16]
-    uint8, scale_2 [1] fp32, out [M, N]; K a multiple of MIN_K_MULTIPLE, words and scales contiguous."""
+                     scale_2: torch.Tensor, out: torch.Tensor, pdl: bool, tile: WgmmaTile | None = None) -> None:
+    """Launch: x16 [M, K] fp16 in `dot_order(K, tile.bk)`, M <= 32, exps [M, 1], words [N, K/8] int32,
+    scale_bits [N, K/16] uint8, scale_2 [1] fp32, out [M, N]; K a multiple of MIN_K_MULTIPLE, words and scales
+    contiguous. `tile`: `TILES[block_m(M)]` unless given (sweeps)."""
     m, k = x16.shape
     n = words.shape[0]
-    if k % MIN_K_MULTIPLE or not (words.is_contiguous() and scale_bits.is_contiguous() and x16.is_contiguous()):
-        raise ValueError(f"gemm_nvfp4_wgmma: K = {k}, contiguous words {words.is_contiguous()}, scales "
-                         f"{scale_bits.is_contiguous()}, x {x16.is_contiguous()}; it takes K a multiple of "
-                         f"{MIN_K_MULTIPLE} and contiguous operands: check `uses_wgmma` before calling it")
+    if (k % MIN_K_MULTIPLE or m > 32
+            or not (words.is_contiguous() and scale_bits.is_contiguous() and x16.is_contiguous())):
+        raise ValueError(f"gemm_nvfp4_wgmma: M = {m}, K = {k}, contiguous words {words.is_contiguous()}, scales "
+                         f"{scale_bits.is_contiguous()}, x {x16.is_contiguous()}; it takes M <= 32, K a multiple "
+                         f"of {MIN_K_MULTIPLE} and contiguous operands: run it where `GemvPlan.wgmma` is planned")
+    bm = block_m(m)
+    tile = tile or TILES[bm]
     s16 = scale_bits.view(torch.int16)
-    _gemm_nvfp4_wgmma_kernel[(triton.cdiv(n, BN),)](
+    _gemm_nvfp4_wgmma_kernel[(triton.cdiv(n, tile.bn),)](
         x16, exps, words, s16, scale_2, out, m, n, k, words.stride(0), s16.stride(0), out.stride(0), out.stride(1),
-        BN=BN, BK=BK, BM=BM, STAGES=STAGES, PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
-        **layouts(BN, BK, WARPS))
+        BN=tile.bn, BK=tile.bk, BM=bm, STAGES=tile.stages, PDL=pdl, num_warps=tile.warps, launch_pdl=pdl,
+        **layouts(tile.bn, tile.bk, tile.warps, bm))

@@ -47,7 +47,8 @@ linear = Op("linear", _linear_native)
 class GemvPlan:
     """Tile sizes and K split of one launch. `block_m >= 16` selects the `tl.dot` path, `swap_ab` computes
     it as (W x^T)^T, the weight tile the dot's first operand; `k_per_split` is a multiple of `block_k` (the
-    whole of K, rounded up, when `splits == 1`)."""
+    whole of K, rounded up, when `splits == 1`). `wgmma` (NVFP4 only, one K slice): NVFP4's Gluon kernel
+    (`gemm_nvfp4_wgmma.py`) runs the call on its own tile, not the Triton kernel these sizes would pick."""
     block_m: int
     block_n: int
     block_k: int
@@ -56,6 +57,7 @@ class GemvPlan:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    wgmma: bool = False
 
     @property
     def use_dot(self) -> bool:

@@ -30,9 +30,10 @@ read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j 
   of x), tensor cores in fp16: after x's pass, x's pairs read as fp16 are the dot's x, each word decoded
   as the M = 1 kernel does (6 integer ops, 4 widenings) and its pairs multiplied by the block scale in fp16x2,
   exact, in the pairs' element order; 3.2-4.0 sm_90 instructions an element against the kernel below's 4.8.
-  On sm_90 where K is a multiple of its K tile, the Gluon wgmma kernel runs instead (`uses_wgmma`,
-  `gemm_nvfp4_wgmma.py`): each thread decodes its own fragment of the MMA's register operand, no shared-memory
-  round trip for the weight; x's pass writes x in that kernel's K order (`_pair_slot`, `XPairs.order`).
+- WGMMA_MIN_M <= M <= 32 with 16-bit x on the LM heads on sm_90, K a multiple of 512: the Gluon wgmma kernel
+  in place of the three above (`GemvPlan.wgmma`, set by `default_plan`; `gemm_nvfp4_wgmma.py`): each thread
+  decodes its own fragment of the MMA's register operand, no shared-memory round trip for the weight; x's pass
+  writes x in that kernel's K order (`_pair_slot`, `XPairs.order`).
 - 1 <= M <= 32 otherwise (`_gemm_nvfp4_kernel`, the planner's from M = 2 wherever neither the GEMV of several
   rows nor the fp16 dot runs), tensor cores: `_e2m1x8_scaled`
   builds bf16 pairs from the word with two shifts and masks a pair (elements i and i + 4, whose nibbles
@@ -57,6 +58,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.kernels.linear import (
+    MAX_M,
     GemvPlan,
     Tile,
     TileTable,
@@ -888,8 +890,9 @@ ROWS_KERNEL_MAX = 8                          # what the kernel takes (explicit p
 
 def uses_f16_gemv(x: torch.Tensor, plan: GemvPlan) -> bool:
     """Whether a GEMV plan sums blocks in fp16: 16-bit x, and `_gemv_nvfp4_rows_kernel` (M >= 2) or
-    `_gemv_nvfp4_f16_kernel` on programs of F16_GEMV_MIN_ROWS rows or more, not the fp32 `_gemv_nvfp4_kernel`."""
-    return (not plan.use_dot and x.dtype in (torch.bfloat16, torch.float16)
+    `_gemv_nvfp4_f16_kernel` on programs of F16_GEMV_MIN_ROWS rows or more, not the fp32 `_gemv_nvfp4_kernel`
+    (nor the wgmma kernel in their place, `GemvPlan.wgmma`)."""
+    return (not plan.use_dot and not plan.wgmma and x.dtype in (torch.bfloat16, torch.float16)
             and (x.shape[0] > 1 or plan.block_n >= F16_GEMV_MIN_ROWS))
 
 
@@ -955,10 +958,11 @@ class XPairs:
 def uses_f16_dot(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
     """Whether a tensor-core plan runs the fp16 dot on x's pass's pairs (`_gemm_nvfp4_f16_kernel`: 16-bit x
     on the LM heads, `LM_HEAD_MIN_ELEMENTS`, tiles of 32 rows of x), not the bf16 dot that decodes with shifts
-    and reads x itself (`_gemm_nvfp4_kernel`). H200, 2026-12-03, 4 alternating rounds on 151936 x 2048: M = 32
-    130.6 us against 139.5; but M = 8 (tiles of 16 rows) 118.5 against 115.9; and on smaller weights x's pass
-    costs more than the dot saves (8192 x 2048, M = 32: 14.6 us against 13.3)."""
-    return (plan.use_dot and plan.block_m >= 32 and x.dtype in (torch.bfloat16, torch.float16)
+    and reads x itself (`_gemm_nvfp4_kernel`), where the Gluon kernel does not run (`GemvPlan.wgmma`). H200,
+    2026-12-03, 4 alternating rounds on 151936 x 2048: M = 32 130.6 us against 139.5; but M = 8 (tiles of 16
+    rows) 118.5 against 115.9; and on smaller weights x's pass costs more than the dot saves (8192 x 2048,
+    M = 32: 14.6 us against 13.3)."""
+    return (not plan.wgmma and plan.use_dot and plan.block_m >= 32 and x.dtype in (torch.bfloat16, torch.float16)
             and uses_x_pass(n, k))
 
 
@@ -967,34 +971,39 @@ def _is_sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-# 17 to 32 rows of 16-bit x on the LM heads run the Gluon wgmma kernel on Hopper (sm_90) where K allows it, one
-# K slice (`uses_wgmma`); False keeps the Triton fp16 dot there (comparisons)
+# WGMMA_MIN_M to 32 rows of 16-bit x on the LM heads run the Gluon wgmma kernel on Hopper (sm_90) where K
+# allows it (`GemvPlan.wgmma`, set by `default_plan`); WGMMA = False plans the Triton kernels there instead
+# (their sweeps and comparisons).
 WGMMA = True
+WGMMA_MIN_M = 2
 
 
-def uses_wgmma(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
-    """Whether an fp16-dot plan (`uses_f16_dot`) runs the Gluon wgmma kernel instead, with the decoded tile as
-    the MMA's register operand (`gemm_nvfp4_wgmma.py`): on sm_90, K a multiple of `MIN_K_MULTIPLE`, one K slice.
-    H200, 2026-12-03, M = 32 (BENCHMARKS.md, tenth run): 151936 x 2048 87.6 us against 132.9 for x's pass
-    and the fp16 dot; 154880 x 4096 171.0-175.4 against 267.1."""
-    if not (WGMMA and x.is_cuda and uses_f16_dot(x, n, k, plan) and plan.splits == 1 and _is_sm90(x.device)):
-        return False
+def wgmma_refusal(x: torch.Tensor, k: int, plan: GemvPlan) -> str | None:
+    """Why a plan with `wgmma` cannot run on x [M, k] (the Gluon kernel's conditions), or None."""
     from mtpfactory.kernels.gemm_nvfp4_wgmma import MIN_K_MULTIPLE
-    return k % MIN_K_MULTIPLE == 0
+    if not (x.is_cuda and _is_sm90(x.device)):
+        return f"x on {x.device}: the kernel needs an sm_90 GPU"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"x is {x.dtype}: the kernel takes bf16 or fp16 x"
+    if k % MIN_K_MULTIPLE or plan.splits != 1 or x.shape[0] > MAX_M:
+        return (f"M = {x.shape[0]}, K = {k}, {plan.splits} K slices: the kernel takes up to {MAX_M} rows, K a "
+                f"multiple of {MIN_K_MULTIPLE} and one K slice")
+    return None
 
 
-def _pairs_order(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> int:
+def _pairs_order(plan: GemvPlan) -> int:
     """The `XPairs.order` a call on this plan reads: the wgmma kernel's K tile where it runs, else 0."""
-    if not uses_wgmma(x, n, k, plan):
+    if not plan.wgmma:
         return 0
-    from mtpfactory.kernels.gemm_nvfp4_wgmma import BK
-    return BK
+    from mtpfactory.kernels.gemm_nvfp4_wgmma import ORDER
+    return ORDER
 
 
 def runs_x_pass(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> bool:
-    """Whether the call runs x's pass first: the fp16-sum GEMVs of several rows always, of one row and the
-    fp16 dot on the LM heads (`uses_x_pass`)."""
-    return (uses_f16_gemv(x, plan) and (x.shape[0] > 1 or uses_x_pass(n, k))) or uses_f16_dot(x, n, k, plan)
+    """Whether the call runs x's pass first: the wgmma kernel and the fp16-sum GEMVs of several rows always, the
+    GEMV of one row and the fp16 dot on the LM heads (`uses_x_pass`)."""
+    return (plan.wgmma or (uses_f16_gemv(x, plan) and (x.shape[0] > 1 or uses_x_pass(n, k)))
+            or uses_f16_dot(x, n, k, plan))
 
 
 def x_pass_split(x: torch.Tensor, n: int, k: int, split_k: bool) -> int | None:
@@ -1011,20 +1020,26 @@ def planned_x_pairs(x: torch.Tensor, n: int, k: int, split_k: bool) -> XPairs | 
     plan = default_plan(x, n, k, split_k)
     if not runs_x_pass(x, n, k, plan):
         return None
-    return XPairs.empty(x.shape[0], k, plan.k_per_split, x.device, _pairs_order(x, n, k, plan))
+    return XPairs.empty(x.shape[0], k, plan.k_per_split, x.device, _pairs_order(plan))
 
 
 def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool) -> GemvPlan:
     """The planner's tiles for x [M, K] times an [n, k] NVFP4 weight: `TILES_NVFP4_LM_HEAD` for 16-bit x on
-    the LM heads (`LM_HEAD_MIN_ELEMENTS`), else `TILES_NVFP4`."""
-    return _default_plan(x.shape[0], n, k, split_k, x.dtype in (torch.bfloat16, torch.float16) and uses_x_pass(n, k))
+    the LM heads (`LM_HEAD_MIN_ELEMENTS`), else `TILES_NVFP4`; on the LM heads on sm_90, WGMMA_MIN_M to 32 rows
+    run the wgmma kernel (`GemvPlan.wgmma`) where it can (`wgmma_refusal`)."""
+    lm_head = x.dtype in (torch.bfloat16, torch.float16) and uses_x_pass(n, k)
+    return _default_plan(x.shape[0], n, k, split_k, lm_head, WGMMA and lm_head and x.is_cuda and _is_sm90(x.device))
 
 
 @functools.lru_cache(maxsize=1024)
-def _default_plan(m: int, n: int, k: int, split_k: bool, lm_head: bool) -> GemvPlan:
-    """`default_plan` from plain values (the module's threshold read by the caller), cached: it runs on every
-    call."""
-    return plan_for(m, n, k, split_k, TILES_NVFP4_LM_HEAD if lm_head else TILES_NVFP4)
+def _default_plan(m: int, n: int, k: int, split_k: bool, lm_head: bool, sm90_lm_head: bool) -> GemvPlan:
+    """`default_plan` from plain values (the module's threshold and switch read by the caller), cached: it runs
+    on every call."""
+    from mtpfactory.kernels.gemm_nvfp4_wgmma import MIN_K_MULTIPLE
+    plan = plan_for(m, n, k, split_k, TILES_NVFP4_LM_HEAD if lm_head else TILES_NVFP4)
+    if sm90_lm_head and WGMMA_MIN_M <= m <= MAX_M and k % MIN_K_MULTIPLE == 0 and plan.splits == 1:
+        return dataclasses.replace(plan, wgmma=True)
+    return plan
 
 
 def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -1062,11 +1077,12 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if x_pairs is not None:
         if not x_pass:
             raise ValueError(f"x_pairs: given for [{m}, {k}] {x.dtype} x on an [{n}, {k}] weight, whose plan runs no "
-                             "x pass (16-bit x does on the GEMV of several rows, and on a weight of "
-                             f"{LM_HEAD_MIN_ELEMENTS} elements or more on the one-row GEMV and on tensor-core "
-                             "tiles of 32 rows): pass x_pairs=None")
-    order = _pairs_order(x, n, k, plan)                               # > 0: the wgmma kernel runs
-    wgmma = order > 0
+                             "x pass (16-bit x does on the GEMV of several rows and the wgmma kernel, and on a "
+                             f"weight of {LM_HEAD_MIN_ELEMENTS} elements or more on the one-row GEMV and on "
+                             "tensor-core tiles of 32 rows): pass x_pairs=None")
+    if plan.wgmma and (why := wgmma_refusal(x, k, plan)):
+        raise ValueError(f"plan: wgmma = True, but {why}: plan without it (default_plan sets it where it runs)")
+    order = _pairs_order(plan)
     if x_pairs is not None:
         x_pairs.check(m, k, plan.k_per_split, x.device, order)
     part = partial_buffer(plan, m, n, x)                              # None for the wgmma kernel: one slice
@@ -1084,7 +1100,7 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         _x_f16_pairs_kernel[(plan.splits, m)](x, pairs, exps, k, plan.k_per_split, x.stride(0), x.stride(1),
                                               BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda,
                                               PDL=pdl, ORDER=order, num_warps=8)
-    if wgmma:
+    if plan.wgmma:
         from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
         gemm_nvfp4_wgmma(pairs.view(torch.float16), exps, words, scale_bits, scale_2, out, pdl)
     elif uses_f16_dot(x, n, k, plan):

@@ -6,7 +6,8 @@ A slow timing under a lower SM clock points at the clock; one under the same clo
 the power cap, reason 0x4, at 680-700 W, takes the SM clock to 1.5 GHz.)
 --compare dot times the NVFP4 LM head at M >= 5 on its fp16 dot (`uses_f16_dot`, after x's pass; the wgmma
 kernel off) against the bf16 dot it replaced (TILES_NVFP4's plan).
---compare wgmma times it at M = 17-32 on the Gluon wgmma kernel (`uses_wgmma`) against the Triton fp16 dot.
+--compare wgmma times it at M = 2-32 on the Gluon wgmma kernel (`GemvPlan.wgmma`) against the Triton kernels
+(`WGMMA = False`: the GEMV of several rows, the bf16 dot, the fp16 dot).
 --compare fused times the head's final norm (with its residual) and the NVFP4 LM head after it: as one op
 (`rms_norm_linear_nvfp4`, the norm making x's pass) against the two providers in turn (the GEMV's own
 pass), and the GEMV alone on pairs made beforehand (what the LM head costs when the norm makes its pass).
@@ -127,7 +128,7 @@ def main() -> int:
                          "pass alone (the pass not launched: what x's pairs written by the kernel before would cost); "
                          "fused: the final norm and the NVFP4 LM head as one op, as two, and the GEMV alone; "
                          "dot: NVFP4 at M >= 5 on the fp16 dot and on the bf16 dot; "
-                         "wgmma: NVFP4 at M = 17-32 on the wgmma kernel and on the fp16 dot")
+                         "wgmma: NVFP4 at M = 2-32 on the wgmma kernel and on the Triton kernels")
     args = ap.parse_args()
     n, k = SHAPES[args.shape]
     copies = max(MIN_CALLS, -(-512 * 2**20 // (n * k * 2)))

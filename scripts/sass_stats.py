@@ -13,7 +13,8 @@ x's pairs from x's own pass with --x-pass (and, as on the H200, launched beside 
     python3 scripts/sass_stats.py nvfp4-gemm --tile 32,64,256 --swap --stages 2
     python3 scripts/sass_stats.py nvfp4-gemv --tile 1,64,256 --stages 2 --x-pass
     python3 scripts/sass_stats.py nvfp4-gemv --tile 8,64,256 --stages 2        (the GEMV of 8 rows)
-    python3 scripts/sass_stats.py nvfp4-wgmma     (the Gluon kernel of M = 17-32 on the LM heads: its own tile)
+    python3 scripts/sass_stats.py nvfp4-wgmma     (the Gluon kernel of M = 2-32 on the LM heads, its tile of 32 rows)
+    python3 scripts/sass_stats.py nvfp4-wgmma --tile 8,64,256 --stages 3          (its tile of 8 rows)
     python3 scripts/sass_stats.py {bf16,fp8}-{gemv,gemm} ...  [--warps 4] [--stages 3] [--sass out.sass]
 """
 
@@ -56,8 +57,7 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
         return (wgmma._gemm_nvfp4_wgmma_kernel,
                 {"x16_ptr": "*fp16", "exp_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*i16", "s2_ptr": "*fp32",
                  "out_ptr": "*bf16"},
-                dict(wgmma.layouts(wgmma.BN, wgmma.BK, wgmma.WARPS), BN=wgmma.BN, BK=wgmma.BK, BM=wgmma.BM,
-                     STAGES=wgmma.STAGES, PDL=True))
+                dict(wgmma.layouts(bn, bk, bn // 16, bm), BN=bn, BK=bk, BM=bm, STAGES=stages, PDL=True))
     dot = kind == "gemm"
     if fmt == "nvfp4":
         types = {"x_ptr": "*bf16", "pairs_ptr": "*i32", "exp_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8",
@@ -150,9 +150,11 @@ def main() -> int:
     args = ap.parse_args()
     dot = args.kernel.endswith("gemm") or args.kernel.endswith("wgmma")
     bm, bn, bk = (int(v) for v in (args.tile or ("32,128,64" if dot else "1,32,256")).split(","))
-    if args.kernel == "nvfp4-wgmma":                                 # its tile and warps are the module's
-        bm, bn, bk, args.warps, args.stages = wgmma.BM, wgmma.BN, wgmma.BK, wgmma.WARPS, wgmma.STAGES
-    if dot != (bm >= 16) or (bm > 1 and not dot and args.kernel != "nvfp4-gemv"):
+    if args.kernel == "nvfp4-wgmma":            # the module's tile of 32 rows unless --tile (and --stages)
+        t = wgmma.TILES[32]
+        bm, bn, bk = (int(v) for v in args.tile.split(",")) if args.tile else (32, t.bn, t.bk)
+        args.warps, args.stages = bn // 16, args.stages if args.tile else t.stages
+    if (args.kernel != "nvfp4-wgmma" and dot != (bm >= 16)) or (bm > 1 and not dot and args.kernel != "nvfp4-gemv"):
         ap.error(f"--tile {bm},{bn},{bk}: a gemm tile has BLOCK_M 16 or 32, a gemv tile BLOCK_M 1 (nvfp4-gemv: "
                  "up to 8, the GEMV of several rows)")
     fn, types, constexprs = kernel(args.kernel, bm, bn, bk, args.swap, args.stages, args.x_pass)

@@ -3,9 +3,9 @@ slices, swapped operands, weight decode) is fastest per format, shape and M. The
 `TileTable`s of `kernels/linear.py` and `kernels/linear_nvfp4.py` by hand, with the sweep's date.
 
 Timing as `bench_kernels.py` (CUDA-graph replay over weight copies larger than L2, median), shorter runs.
-It sweeps the Triton kernels only: the Gluon wgmma kernel that NVFP4 runs at M = 17-32 on the LM heads on sm_90
-(`uses_wgmma`) has its own tile (`gemm_nvfp4_wgmma.py`) and is switched off here (`WGMMA = False`), so the fp16
-dot's grid times the fp16 dot; `clock_watch.py --compare wgmma` sets the two side by side.
+It sweeps the Triton kernels only: the Gluon wgmma kernel that NVFP4 runs at M = 2-32 on the LM heads on sm_90
+(`GemvPlan.wgmma`) has its own tiles (`gemm_nvfp4_wgmma.py`, swept by `sweep_wgmma.py`) and is switched off here
+(`WGMMA = False`), so each grid times its Triton kernel; `clock_watch.py --compare wgmma` sets the two side by side.
 A time budget keeps it inside one device call; every result is appended to the JSON file as it comes.
 
     python3 scripts/tune_gemv.py --json out.json [--budget-s 420] [--shapes lm_head_qwen,q_proj] [--ms 1,32]

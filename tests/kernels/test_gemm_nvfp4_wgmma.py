@@ -1,4 +1,4 @@
-"""The Gluon wgmma kernel for W4A16 NVFP4 at 17 to 32 rows of 16-bit x (`gemm_nvfp4_wgmma.py`) and the x
+"""The Gluon wgmma kernel for W4A16 NVFP4 at up to 32 rows of 16-bit x (`gemm_nvfp4_wgmma.py`) and the x
 order it reads (`dot_order`, x's pass with ORDER).
 
 On the CPU: the order x's pass and the final norm write, against `dot_order` applied to x's pass's reference.
@@ -10,16 +10,24 @@ fp16 and fp32, summed in fp32 in another order than the reference's, so |out - r
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
 import torch
 
-from mtpfactory.kernels.gemm_nvfp4_wgmma import BK, dot_order
-from mtpfactory.kernels.linear_nvfp4 import XPairs, default_plan, linear_nvfp4_triton, planned_x_pairs, uses_wgmma
+from mtpfactory.kernels.gemm_nvfp4_wgmma import ORDER, WgmmaTile, block_m, dot_order
+from mtpfactory.kernels.linear_nvfp4 import (
+    WGMMA_MIN_M,
+    XPairs,
+    default_plan,
+    linear_nvfp4_triton,
+    planned_x_pairs,
+    uses_f16_gemv,
+)
 from mtpfactory.kernels.rms_norm import rms_norm_triton
 from mtpfactory.quant import dequantize_nvfp4
-from gemv_common import SUM_RTOL, assert_matches, nvfp4_inputs, x_pass_reference
+from gemv_common import F16_SUM_RTOL, SUM_RTOL, assert_matches, nvfp4_inputs, x_pass_reference
 
 linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Op
 _GEMV_ORDER = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])                        # element e of a word -> its pair slot
@@ -80,6 +88,18 @@ def test_pairs_of_another_order_are_refused():
     assert bool((bad.pairs == 7).all()) and bool((y == 5.0).all())
 
 
+def test_tiles_it_cannot_run_are_refused():
+    with pytest.raises(ValueError, match=r"bk a multiple of 128"):
+        WgmmaTile(bk=64)
+    with pytest.raises(ValueError, match=r"16 rows a warp"):
+        WgmmaTile(bn=128, warps=4)
+    with pytest.raises(ValueError, match=r"warps a multiple of 4"):
+        WgmmaTile(bn=32, warps=2)
+    with pytest.raises(ValueError, match=r"2 stages or more"):
+        WgmmaTile(stages=1)
+    assert [block_m(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+
+
 def test_wgmma_refuses_k_it_cannot_copy():
     from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
     x16 = torch.zeros(2, 768, dtype=torch.float16)
@@ -96,15 +116,38 @@ def test_planned_pairs_carry_the_order_of_the_kernel_that_reads_them(monkeypatch
     plan = default_plan(x, n, k, True)
     made = planned_x_pairs(x, n, k, True)
     assert (made.order, made.k_per_split) == (0, plan.k_per_split)
-    monkeypatch.setattr(linear_nvfp4, "uses_wgmma", lambda *args: True)
-    made = planned_x_pairs(x, n, k, True)
-    assert (made.order, made.k_per_split) == (BK, plan.k_per_split)
     assert planned_x_pairs(x.float(), n, k, True) is None
+    monkeypatch.setattr(linear_nvfp4, "default_plan", lambda *args: dataclasses.replace(plan, wgmma=True))
+    made = planned_x_pairs(x, n, k, True)
+    assert (made.order, made.k_per_split) == (ORDER, plan.k_per_split)
 
 
 def test_no_wgmma_off_the_gpu():
     x = torch.randn(32, 2048, dtype=torch.bfloat16)
-    assert not uses_wgmma(x, 151936, 2048, default_plan(x, 151936, 2048, False))
+    assert not default_plan(x, 151936, 2048, False).wgmma
+
+
+def test_the_planner_gives_the_lm_heads_wgmma_from_its_first_row_count():
+    """On sm_90 (given here), 16-bit x on the LM heads: the wgmma kernel from WGMMA_MIN_M to 32 rows, K a
+    multiple of 512; the Triton kernels elsewhere."""
+    n = 151936
+    for m in range(1, 33):
+        for k in (2048, 4096, 768):
+            plan = linear_nvfp4._default_plan(m, n, k, True, True, True)
+            assert plan.wgmma == (m >= WGMMA_MIN_M and k != 768), (m, k)
+            assert not linear_nvfp4._default_plan(m, n, k, True, True, False).wgmma      # not sm_90, or WGMMA off
+
+
+def test_a_wgmma_plan_off_the_gpu_is_refused_and_writes_nothing():
+    n, k = 64, 512
+    x = torch.randn(4, k, dtype=torch.bfloat16)
+    weight, scale, scale_2 = (torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, k // 16).to(torch.float8_e4m3fn),
+                              torch.ones(()))
+    plan = dataclasses.replace(default_plan(x, n, k, False), wgmma=True)
+    out = torch.full((4, n), 3.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"plan: wgmma = True, but x on cpu: the kernel needs an sm_90 GPU"):
+        linear_nvfp4_triton(x, weight, scale, scale_2, out=out, plan=plan)
+    assert bool((out == 3.0).all())
 
 
 # --- GPU ---------------------------------------------------------------------------------------------------
@@ -113,48 +156,69 @@ def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def run_wgmma(x: torch.Tensor, weight, scale, scale_2, out_dtype):
+def run_wgmma(x: torch.Tensor, weight, scale, scale_2, out_dtype, tile: WgmmaTile | None = None):
     from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
     m, k = x.shape
-    bk = BK
     pairs = torch.full((m, k // 2), -1, dtype=torch.int32, device=x.device)
     exps = torch.empty((m, 1), dtype=torch.int32, device=x.device)
     linear_nvfp4._x_f16_pairs_kernel[(1, m)](x, pairs, exps, k, k, x.stride(0), x.stride(1),
-                                             BLOCK=linear_nvfp4.x_scan_block(k), USE_ASM=True, PDL=False, ORDER=bk)
+                                             BLOCK=linear_nvfp4.x_scan_block(k), USE_ASM=True, PDL=False,
+                                             ORDER=ORDER)
     out = torch.full((m, weight.shape[0]), float("nan"), dtype=out_dtype, device=x.device)
     gemm_nvfp4_wgmma(pairs.view(torch.float16), exps, weight.view(torch.int32), scale.view(torch.uint8),
-                     scale_2.reshape(1), out, False)
+                     scale_2.reshape(1), out, False, tile)
     return out
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 17, 32])
+@pytest.mark.parametrize("m", [1, 9, 17, 32])
 @pytest.mark.parametrize("n,k", [(1000, 1536), (130, 4096), (64, 512), (129, 2048)])
 def test_gpu_wgmma_matches_reference(m, n, k, out_dtype):
-    """N off the tile (and under it), M below it, K of 2 to 16 steps (the ring's refills past the end reload
-    the last step), rows of x past M zero-filled."""
+    """N off the tile (and under it), M below it (8, 16 and 32 rows a program), K of 2 to 16 steps (the ring's
+    refills past the end reload the last step), rows of x past M zero-filled."""
     x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=m + n, device="cuda")
     out = run_wgmma(x, weight, scale, scale_2, out_dtype)
     w = dequantize_nvfp4(weight, scale, scale_2)
     assert_matches(out, (x.float() @ w.T).to(out_dtype), x.float().abs() @ w.abs().T, sum_rtol=SUM_RTOL)
 
 
+_TILES = {"one-warpgroup": WgmmaTile(bn=64, warps=4, stages=4), "four-warpgroups": WgmmaTile(bn=256, warps=16),
+          "ring-of-2": WgmmaTile(stages=2)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
-@pytest.mark.parametrize("m", [17, 32])
+@pytest.mark.parametrize("tile", list(_TILES))
+@pytest.mark.parametrize("m", [5, 16, 32])
+@pytest.mark.parametrize("n,k", [(1000, 1536), (129, 2048)])
+def test_gpu_wgmma_tiles_match_reference(tile, m, n, k):
+    """Tiles of one and four warpgroups a program and the shortest ring, at 8, 16 and 32 rows a program; fp32
+    out, poisoned."""
+    x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=m + n + 7, device="cuda")
+    out = run_wgmma(x, weight, scale, scale_2, torch.float32, _TILES[tile])
+    w = dequantize_nvfp4(weight, scale, scale_2)
+    assert_matches(out, x.float() @ w.T, x.float().abs() @ w.abs().T, sum_rtol=SUM_RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
+@pytest.mark.parametrize("m", [2, 4, 5, 16, 17, 32])
 def test_gpu_linear_runs_wgmma_on_lm_head_plans(m, monkeypatch):
-    """linear_nvfp4_triton picks the wgmma kernel on the LM heads' M = 17-32 plans and matches the reference,
-    as the Triton fp16 dot does with the kernel switched off (WGMMA = False)."""
+    """linear_nvfp4_triton runs the wgmma kernel on the LM heads' plans of 2 to 32 rows and matches the
+    reference within 1e-5 * sum|x||w|, as the Triton kernels (the GEMV of several rows, the bf16 and the fp16
+    dot) do with it switched off (WGMMA = False; the GEMV of several rows sums in fp16, its bound 2^-8)."""
     monkeypatch.setattr(linear_nvfp4, "LM_HEAD_MIN_ELEMENTS", 0)
     n, k = 4096, 2048
     x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=m, device="cuda")
-    assert uses_wgmma(x, n, k, default_plan(x, n, k, False))   # one K slice (split_k=True would split it here)
+    assert default_plan(x, n, k, False).wgmma                   # one K slice (split_k=True would split it here)
     w = dequantize_nvfp4(weight, scale, scale_2)
     ref, abs_sum = (x.float() @ w.T).to(x.dtype), x.float().abs() @ w.abs().T
     for on in (True, False):
         monkeypatch.setattr(linear_nvfp4, "WGMMA", on)
+        plan = default_plan(x, n, k, False)
+        assert plan.wgmma == on
         out = torch.full((m, n), float("nan"), dtype=x.dtype, device="cuda")
         linear_nvfp4_triton(x, weight, scale, scale_2, out=out)
-        assert_matches(out, ref, abs_sum, sum_rtol=SUM_RTOL)
+        assert_matches(out, ref, abs_sum, sum_rtol=F16_SUM_RTOL if uses_f16_gemv(x, plan) else SUM_RTOL)

@@ -39,6 +39,7 @@ from mtpfactory.ops import Provider
 from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
 from gemv_common import (
     DTYPES,
+    F16_SUM_RTOL,
     SUM_RTOL,
     assert_matches,
     assert_pdl_reads_its_own_x,
@@ -49,8 +50,6 @@ from gemv_common import (
 
 linear_nvfp4_module = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Op
 
-
-F16_SUM_RTOL = 2.0**-8
 
 
 def check(x, weight, scale, scale_2, **kwargs) -> None:
@@ -383,16 +382,20 @@ def test_gpu_x_pass(n, k, splits, x_scale, block_n, warps, x_pass):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 3, 32])
-def test_gpu_pdl_reads_this_calls_pairs(m, monkeypatch):
+@pytest.mark.parametrize("m,wgmma", [(1, False), (3, False), (3, True), (32, False), (32, True)])
+def test_gpu_pdl_reads_this_calls_pairs(m, wgmma, monkeypatch):
     """The kernel launched beside x's pass (`x_pass_pdl`) reads the pairs of its own call (the GEMV at M = 1,
-    the rows GEMV, the fp16 dot at M = 32, on the LM heads' plans)."""
+    the rows GEMV, the fp16 dot at M = 32, and the wgmma kernel in the place of the last two on sm_90, on
+    the LM heads' plans)."""
     monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(linear_nvfp4_module, "WGMMA", wgmma)
     n, k = 4096, 2048
     _, *w = nvfp4_inputs(1, n, k, torch.bfloat16, seed=m, device="cuda")
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2.0 ** (8 * (i % 3) - 8) for i in range(12)]
     plan = default_plan(xs[0], n, k, False)
-    assert uses_f16_gemv(xs[0], plan) or uses_f16_dot(xs[0], n, k, plan)
+    if wgmma and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
+    assert plan.wgmma if wgmma else uses_f16_gemv(xs[0], plan) or uses_f16_dot(xs[0], n, k, plan)
     assert_pdl_reads_its_own_x(lambda x, out=None: linear_nvfp4_triton(x, *w, out=out), xs, monkeypatch)
 
 

@@ -17,10 +17,9 @@ from mtpfactory.kernels.linear_nvfp4 import XPairs, linear_nvfp4_triton, x_pass_
 from mtpfactory.kernels.rms_norm import rms_norm_triton
 from mtpfactory.kernels.rms_norm_linear_nvfp4 import rms_norm_linear_nvfp4
 from mtpfactory.quant import dequantize_nvfp4
-from gemv_common import assert_matches, assert_pdl_reads_its_own_x, nvfp4_inputs, x_pass_reference
+from gemv_common import F16_SUM_RTOL, assert_matches, assert_pdl_reads_its_own_x, nvfp4_inputs, x_pass_reference
 
 linear_nvfp4_module = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Op
-F16_SUM_RTOL = 2.0**-8   # the fp16-sum GEMV's bound (test_linear_nvfp4.py)
 
 
 @pytest.fixture
@@ -172,11 +171,13 @@ def test_gpu_lm_head_after_its_norm(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 32])
-def test_gpu_pdl_reads_this_norms_pairs(m, monkeypatch):
-    """The GEMV (M = 1, 3) or fp16 dot (M = 32) launched beside the norm (PDL) reads this call's pairs: 12 calls back to back in a CUDA graph
-    equal the same calls launched one after another (`assert_pdl_reads_its_own_x`)."""
+@pytest.mark.parametrize("m,wgmma", [(1, False), (3, False), (3, True), (32, False), (32, True)])
+def test_gpu_pdl_reads_this_norms_pairs(m, wgmma, monkeypatch):
+    """The GEMV (M = 1, 3), fp16 dot (M = 32) or wgmma kernel (M = 3, 32 on sm_90) launched beside the norm
+    (PDL) reads this call's pairs: 12 calls back to back in a CUDA graph equal the same calls launched one
+    after another (`assert_pdl_reads_its_own_x`)."""
     monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(linear_nvfp4_module, "WGMMA", wgmma)
     _, *w = nvfp4_inputs(1, 4096, 2048, torch.bfloat16, device="cuda")
     norm_w = torch.randn(2048, device="cuda").to(torch.bfloat16)
     xs = [torch.randn(m, 2048, device="cuda").to(torch.bfloat16) for _ in range(12)]
