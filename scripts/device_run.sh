@@ -5,7 +5,8 @@
 #   device: run(command="bash scripts/device_run.sh", carry=[".whl"])
 # GPU_TESTS=0 or BENCH=0 skips a part; GPU_TEST_ARGS picks tests (default: all of tests/); BENCH_ARGS passes
 # options to scripts/bench_kernels.py; TUNE_ARGS, when set, runs scripts/tune_gemv.py with them first; CLOCK_ARGS,
-# when set, runs scripts/clock_watch.py with them last (its nvidia-smi log goes to $OUT/clocks.csv).
+# when set, runs scripts/clock_watch.py with them last (its nvidia-smi log goes to $OUT/clocks.csv); SWEEP_ARGS,
+# when set, runs scripts/sweep_wgmma.py with them after the benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/mtpf-out}
 mkdir -p "$OUT"
@@ -34,6 +35,9 @@ fi
 if [[ "${BENCH:-1}" == 1 ]]; then
   timeout "${BENCH_S:-420}" python3 -P scripts/bench_kernels.py --json "$OUT/gemv.json" ${BENCH_ARGS:-} 2>&1 |
     tee "$OUT/bench.log"
+fi
+if [[ -n "${SWEEP_ARGS:-}" ]]; then
+  timeout "${SWEEP_S:-300}" python3 -P scripts/sweep_wgmma.py $SWEEP_ARGS 2>&1 | tee "$OUT/sweep.log"
 fi
 if [[ -n "${CLOCK_ARGS:-}" ]]; then
   timeout "${CLOCK_S:-240}" python3 -P scripts/clock_watch.py --csv "$OUT/clocks.csv" $CLOCK_ARGS 2>&1 | tee "$OUT/clock.log"

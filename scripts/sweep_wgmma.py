@@ -1,0 +1,142 @@
+"""Sweep the W4A16 wgmma kernel's tiles (`WgmmaTile`) on the LM heads at several M, beside what the planner
+runs there now (the heads' call: x's pass made by the final norm beforehand, `planned_x_pairs`), what it ran
+with the wgmma kernel switched off ("Triton", `linear_nvfp4.WGMMA = False`) and M = 1.
+
+Each tile is first checked on the first weight copy against the reference (fp32 out: |out - ref| <= 1e-5 *
+sum|x||w| + 1e-6 |ref|; a fragment on the wrong K position misses by O(sum|x||w|)); a tile that fails is
+reported and not timed. Then rounds: every (tile, M) and the planner's calls timed in a CUDA graph of
+MIN_CALLS calls over weight copies past the L2, the order reversed every other round (the power cap slows
+whichever runs after a heavy launch), each time beside its floor (the packed weights and scales over the copy
+bandwidth measured in the same run). The kernel runs on x's pairs made beforehand (as the heads' final norm
+makes them), so only the GEMM is timed.
+
+    python3 scripts/sweep_wgmma.py [--shapes lm_head_qwen,lm_head_glm] [--ms 2,4,8,16,32] [--rounds 2]
+        [--tiles 128x8w-3,64x4w-4,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import statistics
+import sys
+
+import torch
+
+from mtpfactory.kernels.gemm_nvfp4_wgmma import ORDER, WgmmaTile, gemm_nvfp4_wgmma
+from mtpfactory.kernels.linear_nvfp4 import linear_nvfp4_triton, planned_x_pairs, x_scan_block
+from mtpfactory.kernels.rms_norm import rms_norm_triton
+from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
+
+linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_kernels import MIN_CALLS, ROTATE_BYTES, SHAPES, copy_bandwidth, weight_bytes  # noqa: E402
+from tune_gemv import time_us  # noqa: E402
+
+TILES = {  # name: rows a program, warps, ring stages (K steps of 256: `ORDER`)
+    "128x8w-3": WgmmaTile(),
+    "128x8w-4": WgmmaTile(stages=4),
+    "64x4w-3": WgmmaTile(bn=64, warps=4, stages=3),
+    "64x4w-4": WgmmaTile(bn=64, warps=4, stages=4),
+    "64x4w-6": WgmmaTile(bn=64, warps=4, stages=6),
+    "256x16w-3": WgmmaTile(bn=256, warps=16, stages=3),
+    "256x16w-4": WgmmaTile(bn=256, warps=16, stages=4),
+}
+
+
+def x_pairs(x: torch.Tensor, order: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's pass of x [M, K] in `dot_order(K, order)`: (fp16 [M, K], exps [M, 1])."""
+    m, k = x.shape
+    pairs = torch.empty((m, k // 2), dtype=torch.int32, device=x.device)
+    exps = torch.empty((m, 1), dtype=torch.int32, device=x.device)
+    linear_nvfp4._x_f16_pairs_kernel[(1, m)](x, pairs, exps, k, k, x.stride(0), x.stride(1),
+                                             BLOCK=x_scan_block(k), USE_ASM=True, PDL=False, ORDER=order)
+    return pairs.view(torch.float16), exps
+
+
+def wgmma_call(x: torch.Tensor, t: tuple, tile: WgmmaTile, out: torch.Tensor):
+    x16, exps = x_pairs(x, ORDER)
+    weight, scale, scale_2 = t
+    words, bits, s2 = weight.view(torch.int32), scale.view(torch.uint8), scale_2.reshape(1)
+    return lambda: gemm_nvfp4_wgmma(x16, exps, words, bits, s2, out, False, tile)
+
+
+def planner_call(x: torch.Tensor, t: tuple, wgmma: bool = True):
+    """The heads' call: the LM head on pairs its final norm made (where the plan reads pairs); wgmma=False
+    plans it with the wgmma kernel switched off (`linear_nvfp4.WGMMA`), its peer at the same M."""
+    n, k = t[0].shape[0], x.shape[1]
+
+    def planned(fn):
+        linear_nvfp4.WGMMA = wgmma
+        try:
+            return fn()
+        finally:
+            linear_nvfp4.WGMMA = True
+
+    made = planned(lambda: planned_x_pairs(x, n, k, True))
+    y = x if made is None else rms_norm_triton(x, torch.ones(k, device=x.device, dtype=x.dtype), 1e-6, False,
+                                               x_pairs=made)
+    return lambda: planned(lambda: linear_nvfp4_triton(y, *t, split_k=True, x_pairs=made))
+
+
+def check(x: torch.Tensor, t: tuple, tile: WgmmaTile) -> str:
+    out = torch.full((x.shape[0], t[0].shape[0]), float("nan"), device=x.device)
+    wgmma_call(x, t, tile, out)()
+    w = dequantize_nvfp4(*t)
+    ref, bound = x.float() @ w.T, x.float().abs() @ w.abs().T
+    excess = ((out - ref).abs() - (1e-5 * bound + 1e-6 * ref.abs())).max().item()
+    return "ok" if excess <= 0 else f"FAILS by {excess:.3g}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="lm_head_qwen,lm_head_glm")
+    ap.add_argument("--ms", default="2,4,8,16,32")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tiles", default=",".join(TILES))
+    args = ap.parse_args()
+    ms = [int(v) for v in args.ms.split(",")]
+    tiles = args.tiles.split(",")
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s; {torch.cuda.get_device_name()}")
+    for shape in args.shapes.split(","):
+        n, k = SHAPES[shape]
+        torch.manual_seed(0)
+        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        first = quantize_nvfp4(w0)
+        del w0
+        copies = [first] + [tuple(v.clone() for v in first)
+                            for _ in range(max(1, -(-ROTATE_BYTES // weight_bytes(first))) - 1)]
+        floor = weight_bytes(first) / bw * 1e6
+        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in sorted(set(ms) | {1})}
+        failed = set()
+        for name in tiles:
+            for m in ms:
+                verdict = check(xs[m], first, TILES[name])
+                print(f"{shape} {name:16s} M = {m:2d}: {verdict}")
+                if verdict != "ok":
+                    failed.add((name, m))
+        outs = {m: torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for m in xs}
+        variants = {f"planner M={m}": [planner_call(xs[m], t) for t in copies] for m in [1] + ms}
+        variants |= {f"Triton M={m}": [planner_call(xs[m], t, wgmma=False) for t in copies] for m in ms}
+        for name, m in itertools.product(tiles, ms):
+            if (name, m) not in failed:
+                variants[f"{name} M={m}"] = [wgmma_call(xs[m], t, TILES[name], outs[m]) for t in copies]
+        times = {v: [] for v in variants}
+        for r in range(args.rounds):
+            for v in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+                calls = list(itertools.islice(itertools.cycle(variants[v]), MIN_CALLS))
+                times[v].append(time_us(calls, 100))
+        print(f"\n{shape} ({n} x {k}), floor {floor:.2f} us, {len(copies)} weight copies, {args.rounds} rounds")
+        for v, ts in times.items():
+            med = statistics.median(ts)
+            print(f"  {v:24s} {med:8.2f} us ({floor / med:5.1%} of copy bandwidth; "
+                  f"{min(ts):.2f}-{max(ts):.2f})")
+        del copies
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
