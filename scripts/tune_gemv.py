@@ -2,7 +2,8 @@
 slices, swapped operands, weight decode) is fastest per format, shape and M. The winners go into the
 `TileTable`s of `kernels/linear.py` and `kernels/linear_nvfp4.py` by hand, with the sweep's date.
 
-Timing as `bench_kernels.py` (CUDA-graph replay over weight copies larger than L2, median), shorter runs.
+Timing as `bench_kernels.py` (CUDA-graph replay over weight copies larger than L2, median), shorter runs;
+BF16 prints cuBLAS (`torch.nn.functional.linear`) on the same copies after its grid, the target's peer.
 It sweeps the Triton kernels only: the Gluon wgmma kernel that NVFP4 runs at M = 2-32 on the LM heads on sm_90
 (`GemvPlan.wgmma`) has its own tiles (`gemm_nvfp4_wgmma.py`, swept by `sweep_wgmma.py`) and is switched off here
 (`WGMMA = False`), so each grid times its Triton kernel; `clock_watch.py --compare wgmma` sets the two side by side.
@@ -178,6 +179,13 @@ def main() -> int:
                 for us, p, xp in results[:3]:
                     print(f"{shape:12s} {n}x{k} M={m:<2d} {fname:10s} {us:9.2f} us  floor {floor_us:8.2f} us "
                           f"{100 * floor_us / us:5.1f}%  {p}{'' if xp is None else f' x_pass={xp}'}", flush=True)
+                if fname == "bf16" and results:        # the peer, timed in the same process after the grid
+                    us = time_us([lambda t=t: torch.nn.functional.linear(x, t) for t in w[key]])
+                    out.write(json.dumps(dict(shape=shape, n=n, k=k, m=m, format="cublas-bf16", us=us,
+                                              floor_us=floor_us, pct=100 * floor_us / us)) + "\n")
+                    print(f"{shape:12s} {n}x{k} M={m:<2d} {'cuBLAS':10s} {us:9.2f} us  floor {floor_us:8.2f} us "
+                          f"{100 * floor_us / us:5.1f}%  (torch.nn.functional.linear, the same weight copies)",
+                          flush=True)
                 if time.monotonic() > t_end:
                     print("# time budget spent")
                     return 0
