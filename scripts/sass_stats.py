@@ -32,7 +32,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
-from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
 # the modules (the package exports the Ops under the same names)
 linear = importlib.import_module("mtpfactory.kernels.linear")
@@ -92,7 +92,7 @@ def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, nu
     sig = _signature(fn, types, constexprs)
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in _DIVISIBLE if a in sig}
-    source = GluonASTSource if fn is wgmma._gemm_nvfp4_wgmma_kernel else ASTSource
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
     compiled = triton.compile(source(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
