@@ -973,7 +973,10 @@ def _is_sm90(device: torch.device) -> bool:
 
 # WGMMA_MIN_M to 32 rows of 16-bit x on the LM heads run the Gluon wgmma kernel on Hopper (sm_90) where K
 # allows it (`GemvPlan.wgmma`, set by `default_plan`); WGMMA = False plans the Triton kernels there instead
-# (their sweeps and comparisons).
+# (their sweeps and comparisons). From 2 rows: H200, 2026-12-04, 3 alternating rounds (BENCHMARKS.md, twelfth
+# run P), M = 2 56.5 us against 60.8 for the GEMV of several rows on 151936 x 2048, 109.7 against 121.0 on
+# 154880 x 4096; M = 8 56.7 / 114.2 against 116.7 / 235.3 for the bf16 dot. WGMMA_MIN_M is read inside
+# `_default_plan`'s cache: after changing it, call `_default_plan.cache_clear()`.
 WGMMA = True
 WGMMA_MIN_M = 2
 
