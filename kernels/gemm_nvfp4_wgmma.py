@@ -211,11 +211,12 @@ def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor,
     contiguous. `tile`: `TILES[block_m(M)]` unless given (sweeps)."""
     m, k = x16.shape
     n = words.shape[0]
-    if (k % MIN_K_MULTIPLE or m > 32
+    if (k % MIN_K_MULTIPLE or m > max(TILES)
             or not (words.is_contiguous() and scale_bits.is_contiguous() and x16.is_contiguous())):
         raise ValueError(f"gemm_nvfp4_wgmma: M = {m}, K = {k}, contiguous words {words.is_contiguous()}, scales "
-                         f"{scale_bits.is_contiguous()}, x {x16.is_contiguous()}; it takes M <= 32, K a multiple "
-                         f"of {MIN_K_MULTIPLE} and contiguous operands: run it where `GemvPlan.wgmma` is planned")
+                         f"{scale_bits.is_contiguous()}, x {x16.is_contiguous()}; it takes M <= {max(TILES)}, K a "
+                         f"multiple of {MIN_K_MULTIPLE} and contiguous operands: run it where `GemvPlan.wgmma` is "
+                         "planned")
     bm = block_m(m)
     tile = tile or TILES[bm]
     s16 = scale_bits.view(torch.int16)

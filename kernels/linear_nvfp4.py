@@ -940,6 +940,15 @@ class XPairs:
                    torch.empty((m, triton.cdiv(k, k_per_split)), dtype=torch.int32, device=device), k_per_split,
                    order)
 
+    def fill(self, x: torch.Tensor, pdl: bool = False) -> "XPairs":
+        """Run x's pass of x [M, K] into these buffers (its slices and order); pdl: launched beside the kernel
+        that wrote x (`x_pass_pdl`)."""
+        m, k = x.shape
+        _x_f16_pairs_kernel[(self.exps.shape[1], m)](x, self.pairs, self.exps, k, self.k_per_split, x.stride(0),
+                                                     x.stride(1), BLOCK=x_scan_block(self.k_per_split),
+                                                     USE_ASM=x.is_cuda, PDL=pdl, ORDER=self.order, num_warps=8)
+        return self
+
     def check(self, m: int, k: int, k_per_split: int, device: torch.device, order: int = 0) -> None:
         """Refuse pairs that are not those of x [m, k] in slices of k_per_split and the given order, naming
         what differs."""
@@ -983,14 +992,19 @@ WGMMA_MIN_M = 2
 
 def wgmma_refusal(x: torch.Tensor, k: int, plan: GemvPlan) -> str | None:
     """Why a plan with `wgmma` cannot run on x [M, k] (the Gluon kernel's conditions), or None."""
-    from mtpfactory.kernels.gemm_nvfp4_wgmma import MIN_K_MULTIPLE
     if not (x.is_cuda and _is_sm90(x.device)):
         return f"x on {x.device}: the kernel needs an sm_90 GPU"
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"x is {x.dtype}: the kernel takes bf16 or fp16 x"
-    if k % MIN_K_MULTIPLE or plan.splits != 1 or x.shape[0] > MAX_M:
-        return (f"M = {x.shape[0]}, K = {k}, {plan.splits} K slices: the kernel takes up to {MAX_M} rows, K a "
-                f"multiple of {MIN_K_MULTIPLE} and one K slice")
+    return _wgmma_shape_refusal(x.shape[0], k, plan.splits)
+
+
+def _wgmma_shape_refusal(m: int, k: int, splits: int) -> str | None:
+    """The shapes the Gluon kernel takes (the planner's rule and `wgmma_refusal`'s)."""
+    from mtpfactory.kernels.gemm_nvfp4_wgmma import MIN_K_MULTIPLE
+    if k % MIN_K_MULTIPLE or splits != 1 or m > MAX_M:
+        return (f"M = {m}, K = {k}, {splits} K slices: the kernel takes up to {MAX_M} rows, K a multiple of "
+                f"{MIN_K_MULTIPLE} and one K slice")
     return None
 
 
@@ -1038,9 +1052,8 @@ def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool) -> GemvPlan:
 def _default_plan(m: int, n: int, k: int, split_k: bool, lm_head: bool, sm90_lm_head: bool) -> GemvPlan:
     """`default_plan` from plain values (the module's threshold and switch read by the caller), cached: it runs
     on every call."""
-    from mtpfactory.kernels.gemm_nvfp4_wgmma import MIN_K_MULTIPLE
     plan = plan_for(m, n, k, split_k, TILES_NVFP4_LM_HEAD if lm_head else TILES_NVFP4)
-    if sm90_lm_head and WGMMA_MIN_M <= m <= MAX_M and k % MIN_K_MULTIPLE == 0 and plan.splits == 1:
+    if sm90_lm_head and m >= WGMMA_MIN_M and _wgmma_shape_refusal(m, k, plan.splits) is None:
         return dataclasses.replace(plan, wgmma=True)
     return plan
 
@@ -1098,11 +1111,8 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if x_pairs is not None:
         pairs, exps = x_pairs.pairs, x_pairs.exps
     elif x_pass:
-        made = XPairs.empty(m, k, plan.k_per_split, x.device, order)
+        made = XPairs.empty(m, k, plan.k_per_split, x.device, order).fill(x, pdl)
         pairs, exps = made.pairs, made.exps
-        _x_f16_pairs_kernel[(plan.splits, m)](x, pairs, exps, k, plan.k_per_split, x.stride(0), x.stride(1),
-                                              BLOCK=x_scan_block(plan.k_per_split), USE_ASM=x.is_cuda,
-                                              PDL=pdl, ORDER=order, num_warps=8)
     if plan.wgmma:
         from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
         gemm_nvfp4_wgmma(pairs.view(torch.float16), exps, words, scale_bits, scale_2, out, pdl)

@@ -31,11 +31,9 @@ import torch
 from mtpfactory.kernels.linear_fp8 import linear_fp8_triton
 from mtpfactory.kernels.linear_nvfp4 import (
     XPairs,
-    _x_f16_pairs_kernel,
     default_plan,
     linear_nvfp4_triton,
     planned_x_pairs,
-    x_scan_block,
 )
 from mtpfactory.kernels.rms_norm import rms_norm_triton
 from mtpfactory.kernels.rms_norm_linear_nvfp4 import rms_norm_linear_nvfp4_triton
@@ -144,11 +142,8 @@ def main() -> int:
     floor_us = {fmt: weight_bytes(w[fmt][0]) / bw * 1e6 for fmt in ("bf16", "fp8", "nvfp4")}
     print(f"{args.shape} {n}x{k}: copy bandwidth {bw / 1e12:.3f} TB/s, floors (us) {floor_us}; NVFP4 M = 1 {shipped}")
     # x's pass alone (the shipped plan's launch of it), to tell its share of the GEMV's time
-    pairs = torch.empty((1, k // 2), dtype=torch.int32, device="cuda")
-    exps = torch.empty((1, shipped.splits), dtype=torch.int32, device="cuda")
-    x_pass = [lambda: _x_f16_pairs_kernel[(shipped.splits, 1)](
-        x, pairs, exps, k, shipped.k_per_split, x.stride(0), x.stride(1), BLOCK=x_scan_block(shipped.k_per_split),
-        USE_ASM=True, PDL=False, num_warps=8)] * MIN_CALLS
+    pairs = XPairs.empty(1, k, shipped.k_per_split, x.device)
+    x_pass = [lambda: pairs.fill(x)] * MIN_CALLS
     print(f"x's pass alone: {time_us(x_pass, 200):.2f} us a launch (in a graph of {MIN_CALLS})")
     if args.compare == "fused":   # the norm alone, with and without making x's pass
         res = torch.randn_like(x)

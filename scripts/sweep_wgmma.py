@@ -25,7 +25,7 @@ import sys
 import torch
 
 from mtpfactory.kernels.gemm_nvfp4_wgmma import ORDER, WgmmaTile, gemm_nvfp4_wgmma
-from mtpfactory.kernels.linear_nvfp4 import linear_nvfp4_triton, planned_x_pairs, x_scan_block
+from mtpfactory.kernels.linear_nvfp4 import XPairs, linear_nvfp4_triton, planned_x_pairs
 from mtpfactory.kernels.rms_norm import rms_norm_triton
 from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
 
@@ -45,18 +45,14 @@ TILES = {  # name: rows a program, warps, ring stages (K steps of 256: `ORDER`)
 }
 
 
-def x_pairs(x: torch.Tensor, order: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x's pass of x [M, K] in `dot_order(K, order)`: (fp16 [M, K], exps [M, 1])."""
-    m, k = x.shape
-    pairs = torch.empty((m, k // 2), dtype=torch.int32, device=x.device)
-    exps = torch.empty((m, 1), dtype=torch.int32, device=x.device)
-    linear_nvfp4._x_f16_pairs_kernel[(1, m)](x, pairs, exps, k, k, x.stride(0), x.stride(1),
-                                             BLOCK=x_scan_block(k), USE_ASM=True, PDL=False, ORDER=order)
-    return pairs.view(torch.float16), exps
+def x_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's pass of x [M, K] in one K slice and the kernel's order: (fp16 [M, K], exps [M, 1])."""
+    made = XPairs.empty(x.shape[0], x.shape[1], x.shape[1], x.device, ORDER).fill(x)
+    return made.pairs.view(torch.float16), made.exps
 
 
 def wgmma_call(x: torch.Tensor, t: tuple, tile: WgmmaTile, out: torch.Tensor):
-    x16, exps = x_pairs(x, ORDER)
+    x16, exps = x_pairs(x)
     weight, scale, scale_2 = t
     words, bits, s2 = weight.view(torch.int32), scale.view(torch.uint8), scale_2.reshape(1)
     return lambda: gemm_nvfp4_wgmma(x16, exps, words, bits, s2, out, False, tile)

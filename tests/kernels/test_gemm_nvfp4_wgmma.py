@@ -159,13 +159,9 @@ def _sm90() -> bool:
 def run_wgmma(x: torch.Tensor, weight, scale, scale_2, out_dtype, tile: WgmmaTile | None = None):
     from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
     m, k = x.shape
-    pairs = torch.full((m, k // 2), -1, dtype=torch.int32, device=x.device)
-    exps = torch.empty((m, 1), dtype=torch.int32, device=x.device)
-    linear_nvfp4._x_f16_pairs_kernel[(1, m)](x, pairs, exps, k, k, x.stride(0), x.stride(1),
-                                             BLOCK=linear_nvfp4.x_scan_block(k), USE_ASM=True, PDL=False,
-                                             ORDER=ORDER)
+    made = XPairs.empty(m, k, k, x.device, ORDER).fill(x)
     out = torch.full((m, weight.shape[0]), float("nan"), dtype=out_dtype, device=x.device)
-    gemm_nvfp4_wgmma(pairs.view(torch.float16), exps, weight.view(torch.int32), scale.view(torch.uint8),
+    gemm_nvfp4_wgmma(made.pairs.view(torch.float16), made.exps, weight.view(torch.int32), scale.view(torch.uint8),
                      scale_2.reshape(1), out, False, tile)
     return out
 
