@@ -387,14 +387,14 @@ def test_gpu_pdl_reads_this_calls_pairs(m, wgmma, monkeypatch):
     """The kernel launched beside x's pass (`x_pass_pdl`) reads the pairs of its own call (the GEMV at M = 1,
     the rows GEMV, the fp16 dot at M = 32, and the wgmma kernel in the place of the last two on sm_90, on
     the LM heads' plans)."""
+    if wgmma and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
     monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
     monkeypatch.setattr(linear_nvfp4_module, "WGMMA", wgmma)
     n, k = 4096, 2048
     _, *w = nvfp4_inputs(1, n, k, torch.bfloat16, seed=m, device="cuda")
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2.0 ** (8 * (i % 3) - 8) for i in range(12)]
     plan = default_plan(xs[0], n, k, False)
-    if wgmma and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel needs sm_90")
     assert plan.wgmma if wgmma else uses_f16_gemv(xs[0], plan) or uses_f16_dot(xs[0], n, k, plan)
     assert_pdl_reads_its_own_x(lambda x, out=None: linear_nvfp4_triton(x, *w, out=out), xs, monkeypatch)
 

@@ -176,14 +176,18 @@ def test_gpu_pdl_reads_this_norms_pairs(m, wgmma, monkeypatch):
     """The GEMV (M = 1, 3), fp16 dot (M = 32) or wgmma kernel (M = 3, 32 on sm_90) launched beside the norm
     (PDL) reads this call's pairs: 12 calls back to back in a CUDA graph equal the same calls launched one
     after another (`assert_pdl_reads_its_own_x`)."""
+    if wgmma and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
     monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
     monkeypatch.setattr(linear_nvfp4_module, "WGMMA", wgmma)
     _, *w = nvfp4_inputs(1, 4096, 2048, torch.bfloat16, device="cuda")
     norm_w = torch.randn(2048, device="cuda").to(torch.bfloat16)
     xs = [torch.randn(m, 2048, device="cuda").to(torch.bfloat16) for _ in range(12)]
+    split = not wgmma          # 4096 rows split K (and so never run wgmma); the real LM heads take one slice
+    assert linear_nvfp4_module.default_plan(xs[0], 4096, 2048, split).wgmma == wgmma
 
     def call(x, out=None):
-        logits, _ = rms_norm_linear_nvfp4(x, norm_w, 1e-6, True, *w)
+        logits, _ = rms_norm_linear_nvfp4(x, norm_w, 1e-6, True, *w, split_work=split)
         if out is not None:
             out.copy_(logits)
         return logits
