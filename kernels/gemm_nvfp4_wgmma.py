@@ -49,16 +49,15 @@ class WgmmaTile:
     stages: int = 3
 
     def __post_init__(self):
-        if not (self.bn == 16 * self.warps and self.warps % 4 == 0 and self.bk % 128 == 0
+        if not (self.bn == 16 * self.warps and self.warps % 4 == 0 and self.bk % 256 == 0
                 and MIN_K_MULTIPLE % self.bk == 0 and self.stages >= 2):
             raise ValueError(f"WgmmaTile: {self}; it takes whole warpgroups of 16 rows a warp (bn = 16 * warps, "
-                             f"warps a multiple of 4), bk a multiple of 128 dividing {MIN_K_MULTIPLE}, and 2 "
-                             "stages or more")
+                             f"warps a multiple of 4), bk a multiple of 256 dividing {MIN_K_MULTIPLE} (each "
+                             "thread's words a row span whole 4-byte words of scales), and 2 stages or more")
 
 
-# K a multiple of this: whole K steps, and rows of scale pairs (K / 32 int16) whose stride Triton's launcher
-# marks divisible by 16, so each thread's 4-byte cp.async of them is aligned (unmarked, it copies 2 bytes,
-# which cp.async cannot: the compile fails)
+# K a multiple of this: whole K steps of every tile (bk 256 or 512), and rows of scales that are whole int32
+# words of 4 blocks (K / 64 of them)
 MIN_K_MULTIPLE = 512
 # The tile by rows of x a program (`block_m`). H200, each tile against the others in one process, the median of
 # 3 alternating rounds (BENCHMARKS.md, twelfth run; microseconds, 151936 x 2048 / 154880 x 4096):
@@ -92,12 +91,13 @@ def dot_order(k: int, bk: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def layouts(bn: int, bk: int, warps: int, bm: int) -> dict:
-    """The kernel's layouts for tiles of bn weight rows (64 a warpgroup), bk of K (a multiple of 128) and bm
-    rows of x: the registers' (words and scale pairs as each thread decodes them, the accumulator and the A
-    operand), the copies' (16 bytes of words, 4 of scale pairs, 16 of x a thread) and the ring's (x swizzled
-    for the wgmma; words and scales plain, each thread reading back bk / 16 bytes a row)."""
+    """The kernel's layouts for tiles of bn weight rows (64 a warpgroup), bk of K (a multiple of 256) and bm
+    rows of x: the registers' (words and scale words as each thread decodes them, the accumulator and the A
+    operand), the copies' (16 bytes of words, 4 of scales, 16 of x a thread) and the ring's (x swizzled for
+    the wgmma; words swizzled in 16-byte groups, so that the 8 lanes of each phase of a read-back hit 8
+    different groups of banks; scales plain)."""
     wg = warps // 4
-    assert bn == 64 * wg and bk % 128 == 0 and bm in (8, 16, 32), (bn, bk, warps, bm)
+    assert bn == 64 * wg and bk % 256 == 0 and bm in (8, 16, 32), (bn, bk, warps, bm)
     per = bk // 32                                                   # words a row a thread
     lg = lambda v: v.bit_length() - 1                                # noqa: E731
     rows_w = [[16 << i, 0] for i in range(2 + lg(wg))]
@@ -106,35 +106,55 @@ def layouts(bn: int, bk: int, warps: int, bm: int) -> dict:
         reg_bases=[[0, 1 << i] for i in range(lg(per))] + [[8, 0]],
         lane_bases=[[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
         shape=[bn, bk // 8])
-    # the scale bytes as int16 pairs [bn, bk/32]: the same thread holds its words' blocks
+    # the scales as int32 words of 4 blocks [bn, bk/64]: the same thread holds its words' blocks
     scales = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1 << i] for i in range(lg(per // 4))] + [[8, 0]],
-        lane_bases=[[0, per // 4], [0, per // 2], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
-        shape=[bn, bk // 32])
+        reg_bases=[[0, 1 << i] for i in range(lg(per // 8))] + [[8, 0]],
+        lane_bases=[[0, per // 8], [0, per // 4], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
+        shape=[bn, bk // 64])
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bm, 16])
-    plain = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     return dict(WORDS=words, SCALES=scales, ACC=acc, A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2),
                 X_LOAD=gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16] if bm >= 16 else [1, 32],
                                         warps_per_cta=[warps, 1], order=[1, 0]),
                 X_SMEM=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
                 W_COPY=gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (bk // 32), bk // 32],
                                         warps_per_cta=[warps, 1], order=[1, 0]),
-                S_COPY=gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[32 // (bk // 64), bk // 64],
+                S_COPY=gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32 // (bk // 64), bk // 64],
                                         warps_per_cta=[warps, 1], order=[1, 0]),
-                W_SMEM=plain, S_SMEM=plain)
+                # row r's 16-byte group g at g ^ (r % 8): a phase of a 16-byte read-back (lanes 4r + c and
+                # 4(r+1) + c, c in 0..3, groups 2c or 2c + 1) meets each bank once, not twice (rows are 128
+                # bytes, so unswizzled rows r and r + 1 share their banks)
+                W_SMEM=gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]),
+                S_SMEM=gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+
+
+# E4M3 scales -> fp16 pairs for `_E2M1X8_F16_SCALED_PTX`: $4 a word of 4 block scales (block 0 in the low
+# byte) -> $0..$3 each block's scale in both fp16 halves (exact: E4M3 values lie inside fp16's range). Two
+# hardware conversions of two bytes and four byte permutes, for 64 elements.
+_E4M3X4_F16X2_PAIRS_PTX = gl.constexpr("""{
+    .reg .b16 lo, hi;
+    .reg .b32 p, q;
+    mov.b32 {lo, hi}, $4;
+    cvt.rn.f16x2.e4m3x2 p, lo;
+    cvt.rn.f16x2.e4m3x2 q, hi;
+    prmt.b32 $0, p, 0, 0x1010;
+    prmt.b32 $1, p, 0, 0x3232;
+    prmt.b32 $2, q, 0, 0x1010;
+    prmt.b32 $3, q, 0, 0x3232;
+}""")
 
 
 @gluon.jit
-def _decode(wv, s16, BN: gl.constexpr, BK: gl.constexpr, WORDS: gl.constexpr, A_OP: gl.constexpr):
-    """words [BN, BK/8] (WORDS) and scale pairs [BN, BK/32] (SCALES) -> the A operand [BN, BK] fp16: E2M1 *
+def _decode(wv, s32, BN: gl.constexpr, BK: gl.constexpr, WORDS: gl.constexpr, A_OP: gl.constexpr):
+    """words [BN, BK/8] (WORDS) and scale words [BN, BK/64] (SCALES) -> the A operand [BN, BK] fp16: E2M1 *
     2^-6 * scale, exact, in `dot_order`."""
-    sw = gl.join(s16 & 0xFF, (s16 >> 8) & 0xFF)                      # [BN, BK/32, 2]: block 2q + sel
-    sw = gl.reshape(gl.join(sw, sw), [BN, BK // 8])                   # word 4q + 2 sel + dup: its block
+    s0, s1, s2, s3 = gl.inline_asm_elementwise(
+        asm=_E4M3X4_F16X2_PAIRS_PTX, constraints="=r,=r,=r,=r,r", args=[s32], dtype=(gl.int32,) * 4,
+        is_pure=True, pack=1)
+    sw = gl.join(gl.join(s0, s2), gl.join(s1, s3))                    # [BN, BK/64, 2, 2]: block 2 i + j
+    sw = gl.reshape(gl.join(sw, sw), [BN, BK // 8])                   # word 8 q + 2 block + dup: its block
     sw = gl.convert_layout(sw, WORDS, assert_trivial=True)
-    s = sw.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float16).to(gl.int16, bitcast=True)
-    s = (s.to(gl.int32) & 0xFFFF) * 0x10001                          # the scale in both fp16 halves
     o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
-        asm=_E2M1X8_F16_SCALED_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[wv, s],
+        asm=_E2M1X8_F16_SCALED_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[wv, sw],
         dtype=(gl.float16,) * 8, is_pure=True, pack=1)
     t = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
     t = gl.reshape(t, [BN, 4, BK // 32, 2, 2, 2])                     # [n, c, b, j0, j1, j2]
@@ -146,7 +166,7 @@ def _decode(wv, s16, BN: gl.constexpr, BK: gl.constexpr, WORDS: gl.constexpr, A_
 def _ring_issue(w_sm, s_sm, x_sm, w_ptrs, s_ptrs, x_ptrs, x_mask, kk, BK: gl.constexpr):
     """The copies of the K step at kk into one stage of the ring, as one cp.async group."""
     async_copy.async_copy_global_to_shared(w_sm, w_ptrs + kk // 8)
-    async_copy.async_copy_global_to_shared(s_sm, s_ptrs + kk // 32)
+    async_copy.async_copy_global_to_shared(s_sm, s_ptrs + kk // 64)
     async_copy.async_copy_global_to_shared(x_sm, x_ptrs + kk, mask=x_mask)
     async_copy.commit_group()
 
@@ -158,9 +178,9 @@ def _gemm_nvfp4_wgmma_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, M,
                              X_LOAD: gl.constexpr, X_SMEM: gl.constexpr, W_COPY: gl.constexpr, S_COPY: gl.constexpr,
                              W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
     """out [M, N] = x @ w^T for M <= BM: x16 is x's pass's fp16 [M, K] in `dot_order` (times 2^exp[m], one K
-    slice), w the words [N, K/8] (int32), s the scale bytes as int16 pairs [N, K/32]; K a multiple of
+    slice), w the words [N, K/8] (int32), s the scale bytes as int32 words of 4 blocks [N, K/64]; K a multiple of
     MIN_K_MULTIPLE (`gemm_nvfp4_wgmma` checks).
-    One program a tile of BN rows. Words, scale pairs and x go through a ring of STAGES steps in shared memory
+    One program a tile of BN rows. Words, scales and x go through a ring of STAGES steps in shared memory
     (cp.async, STAGES - 1 steps in flight); each thread reads back its own words in the A layout, decodes them
     into its fragment, and the wgmma takes x from the ring. Rows past N read row N - 1 (stored nowhere); rows
     of x past M are zero-filled. PDL: launched beside x's pass, whose pairs it reads after it ends."""
@@ -170,12 +190,12 @@ def _gemm_nvfp4_wgmma_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, M,
     rows = gl.minimum(pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, W_COPY)), N - 1).to(gl.int64)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, W_COPY))[None, :]
     srows = gl.minimum(pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, S_COPY)), N - 1).to(gl.int64)
-    s_ptrs = s_ptr + srows[:, None] * stride_sn + gl.arange(0, BK // 32, layout=gl.SliceLayout(0, S_COPY))[None, :]
+    s_ptrs = s_ptr + srows[:, None] * stride_sn + gl.arange(0, BK // 64, layout=gl.SliceLayout(0, S_COPY))[None, :]
     xm = gl.arange(0, BM, layout=gl.SliceLayout(1, X_LOAD))
     x_ptrs = x16_ptr + xm[:, None] * K + gl.arange(0, BK, layout=gl.SliceLayout(0, X_LOAD))[None, :]
     x_mask = (xm < M)[:, None]
     w_sm = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], W_SMEM)
-    s_sm = gl.allocate_shared_memory(gl.int16, [STAGES, BN, BK // 32], S_SMEM)
+    s_sm = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 64], S_SMEM)
     x_sm = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], X_SMEM)
     last = K - BK
     for j in gl.static_range(STAGES - 1):
@@ -219,8 +239,8 @@ def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor,
                          "planned")
     bm = block_m(m)
     tile = tile or TILES[bm]
-    s16 = scale_bits.view(torch.int16)
+    s32 = scale_bits.view(torch.int32)
     _gemm_nvfp4_wgmma_kernel[(triton.cdiv(n, tile.bn),)](
-        x16, exps, words, s16, scale_2, out, m, n, k, words.stride(0), s16.stride(0), out.stride(0), out.stride(1),
+        x16, exps, words, s32, scale_2, out, m, n, k, words.stride(0), s32.stride(0), out.stride(0), out.stride(1),
         BN=tile.bn, BK=tile.bk, BM=bm, STAGES=tile.stages, PDL=pdl, num_warps=tile.warps, launch_pdl=pdl,
         **layouts(tile.bn, tile.bk, tile.warps, bm))

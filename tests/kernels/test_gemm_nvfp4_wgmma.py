@@ -89,8 +89,8 @@ def test_pairs_of_another_order_are_refused():
 
 
 def test_tiles_it_cannot_run_are_refused():
-    with pytest.raises(ValueError, match=r"bk a multiple of 128"):
-        WgmmaTile(bk=64)
+    with pytest.raises(ValueError, match=r"bk a multiple of 256"):
+        WgmmaTile(bk=128)
     with pytest.raises(ValueError, match=r"16 rows a warp"):
         WgmmaTile(bn=128, warps=4)
     with pytest.raises(ValueError, match=r"warps a multiple of 4"):
