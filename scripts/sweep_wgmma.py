@@ -35,8 +35,10 @@ from bench_kernels import MIN_CALLS, ROTATE_BYTES, SHAPES, copy_bandwidth, weigh
 from tune_gemv import time_us  # noqa: E402
 
 TILES = {  # name: rows a program, warps, ring stages (K steps of 256: `ORDER`)
+    "128x8w-2": WgmmaTile(stages=2),
     "128x8w-3": WgmmaTile(),
     "128x8w-4": WgmmaTile(stages=4),
+    "64x4w-2": WgmmaTile(bn=64, warps=4, stages=2),
     "64x4w-3": WgmmaTile(bn=64, warps=4, stages=3),
     "64x4w-4": WgmmaTile(bn=64, warps=4, stages=4),
     "64x4w-6": WgmmaTile(bn=64, warps=4, stages=6),
