@@ -8,8 +8,9 @@ registers). On 151936 x 2048 at M = 32 that kernel was bound by L1/shared memory
 holds: wgmma's register A layout (k_width 2) gives the thread in lane 4r + c of warp w the rows 16w + r and
 16w + r + 8 and, in each 16-wide K block, the pairs at 2c and 2c + 8. A permutation of K within each K tile
 of BK makes one word of 8 codes fill such a thread's fragment over two K blocks, so each thread reads its own
-words (16 bytes a row, from the cp.async ring that keeps two K steps in flight: the packed words are a quarter
-of the decoded tile's bytes) and `convert_layout(..., assert_trivial=True)` proves no data moves after.
+words (32 bytes a row at BK = 256, from a cp.async ring that keeps the next K steps in flight: the packed
+words are a quarter of the decoded tile's bytes) and its blocks' scales (an int32 of 4, made fp16 pairs by one
+asm), and `convert_layout(..., assert_trivial=True)` proves no data moves after.
 x is permuted the same way by x's pass (`_x_f16_pairs_kernel(ORDER=BK)`), so the products are those of the
 reference, in another order of K.
 

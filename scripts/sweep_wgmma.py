@@ -42,6 +42,7 @@ TILES = {  # name: rows a program, warps, ring stages (K steps of 256: `ORDER`)
     "64x4w-3": WgmmaTile(bn=64, warps=4, stages=3),
     "64x4w-4": WgmmaTile(bn=64, warps=4, stages=4),
     "64x4w-6": WgmmaTile(bn=64, warps=4, stages=6),
+    "256x16w-2": WgmmaTile(bn=256, warps=16, stages=2),
     "256x16w-3": WgmmaTile(bn=256, warps=16, stages=3),
     "256x16w-4": WgmmaTile(bn=256, warps=16, stages=4),
 }
