@@ -11,13 +11,18 @@ bandwidth measured in the same run). The kernel runs on x's pairs made beforehan
 makes them), so only the GEMM is timed.
 
     python3 scripts/sweep_wgmma.py [--shapes lm_head_qwen,lm_head_glm] [--ms 2,4,8,16,32] [--rounds 2]
-        [--tiles 128x8w-3,64x4w-4,...]
+        [--tiles 128x8w-3,64x4w-4,...] [--peer old.py]
+
+--peer times another version of the kernel's module beside this one, each with its own `TILES` (the
+planner's tile at each M), checked first like the tiles: e.g. the last commit's, made by
+`git show HEAD:kernels/gemm_nvfp4_wgmma.py > diag/old_wgmma.py` (the device takes untracked files along).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import itertools
 import statistics
 import sys
@@ -54,11 +59,20 @@ def x_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return made.pairs.view(torch.float16), made.exps
 
 
-def wgmma_call(x: torch.Tensor, t: tuple, tile: WgmmaTile, out: torch.Tensor):
+def wgmma_call(x: torch.Tensor, t: tuple, tile: WgmmaTile, out: torch.Tensor, launch=gemm_nvfp4_wgmma):
     x16, exps = x_pairs(x)
     weight, scale, scale_2 = t
     words, bits, s2 = weight.view(torch.int32), scale.view(torch.uint8), scale_2.reshape(1)
-    return lambda: gemm_nvfp4_wgmma(x16, exps, words, bits, s2, out, False, tile)
+    return lambda: launch(x16, exps, words, bits, s2, out, False, tile)
+
+
+def load_peer(path: str):
+    """The kernel module at `path` (another version of `gemm_nvfp4_wgmma.py`), importable by its jit."""
+    spec = importlib.util.spec_from_file_location("peer_gemm_nvfp4_wgmma", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module              # dataclasses and Gluon's jit look the module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def planner_call(x: torch.Tensor, t: tuple, wgmma: bool = True):
@@ -79,9 +93,9 @@ def planner_call(x: torch.Tensor, t: tuple, wgmma: bool = True):
     return lambda: planned(lambda: linear_nvfp4_triton(y, *t, split_k=True, x_pairs=made))
 
 
-def check(x: torch.Tensor, t: tuple, tile: WgmmaTile) -> str:
+def check(x: torch.Tensor, t: tuple, tile: WgmmaTile, launch=gemm_nvfp4_wgmma) -> str:
     out = torch.full((x.shape[0], t[0].shape[0]), float("nan"), device=x.device)
-    wgmma_call(x, t, tile, out)()
+    wgmma_call(x, t, tile, out, launch)()
     w = dequantize_nvfp4(*t)
     ref, bound = x.float() @ w.T, x.float().abs() @ w.abs().T
     excess = ((out - ref).abs() - (1e-5 * bound + 1e-6 * ref.abs())).max().item()
@@ -94,9 +108,11 @@ def main() -> int:
     ap.add_argument("--ms", default="2,4,8,16,32")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tiles", default=",".join(TILES))
+    ap.add_argument("--peer", help="another version of the kernel's module, timed beside this one")
     args = ap.parse_args()
+    peer = load_peer(args.peer) if args.peer else None
     ms = [int(v) for v in args.ms.split(",")]
-    tiles = args.tiles.split(",")
+    tiles = [t for t in args.tiles.split(",") if t]         # --tiles "" times the planner (and the peer) alone
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; {torch.cuda.get_device_name()}")
     for shape in args.shapes.split(","):
@@ -116,9 +132,18 @@ def main() -> int:
                 print(f"{shape} {name:16s} M = {m:2d}: {verdict}")
                 if verdict != "ok":
                     failed.add((name, m))
+        for m in ms if peer else []:
+            verdict = check(xs[m], first, peer.TILES[peer.block_m(m)], peer.gemm_nvfp4_wgmma)
+            print(f"{shape} {'peer':16s} M = {m:2d}: {verdict}")
+            if verdict != "ok":
+                failed.add(("peer", m))
         outs = {m: torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for m in xs}
         variants = {f"planner M={m}": [planner_call(xs[m], t) for t in copies] for m in [1] + ms}
         variants |= {f"Triton M={m}": [planner_call(xs[m], t, wgmma=False) for t in copies] for m in ms}
+        for m in ms if peer else []:
+            if ("peer", m) not in failed:
+                variants[f"peer M={m}"] = [wgmma_call(xs[m], t, peer.TILES[peer.block_m(m)], outs[m],
+                                                      peer.gemm_nvfp4_wgmma) for t in copies]
         for name, m in itertools.product(tiles, ms):
             if (name, m) not in failed:
                 variants[f"{name} M={m}"] = [wgmma_call(xs[m], t, TILES[name], outs[m]) for t in copies]
