@@ -8,6 +8,9 @@ walks K in BLOCK_K chunks, loading each weight tile once for all M rows of x, ac
   dtype on the GPU (bf16 x bf16 products are exact in the fp32 accumulator), fp32 ("ieee") in the
   interpreter, whose dot reads bf16 as raw bits. Large FP8 weights with bf16 x run it in fp16
   (`_x_f16_rows_kernel` scales each row of x into fp16 by a power of two first, `F16_DOT_MIN_ELEMENTS`).
+- 2 <= M <= 32 on 16-bit weights of `TMA_MIN_N` to `TMA_MAX_N` rows (projections such as 8192 x 2048) on
+  sm_90 and later: `_linear_tma_kernel`, the same dot with its weight and x tiles brought in by TMA and the
+  loop pipelined by Triton (`GemvPlan.tma`).
 - split-K (`split_k=True`, for tall-skinny weights such as 2048 x 4096): a second grid axis cuts K into
   SPLIT slices; each program writes its fp32 partial sums to a [SPLIT, M, N] buffer and a second kernel
   sums the slices in a fixed order (deterministic, unlike atomics), scales and casts.
@@ -23,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.ops import Op, triton_can_run
@@ -48,7 +52,9 @@ class GemvPlan:
     """Tile sizes and K split of one launch. `block_m >= 16` selects the `tl.dot` path, `swap_ab` computes
     it as (W x^T)^T, the weight tile the dot's first operand; `k_per_split` is a multiple of `block_k` (the
     whole of K, rounded up, when `splits == 1`). `wgmma` (NVFP4 only, one K slice): NVFP4's Gluon kernel
-    (`gemm_nvfp4_wgmma.py`) runs the call on its own tile, not the Triton kernel these sizes would pick."""
+    (`gemm_nvfp4_wgmma.py`) runs the call on its own tile, not the Triton kernel these sizes would pick.
+    `tma` (16-bit weights, the dot path, one K slice): `_linear_tma_kernel` runs it on these tiles, its loop
+    `num_stages` deep (`tma_refusal` says where it cannot)."""
     block_m: int
     block_n: int
     block_k: int
@@ -58,6 +64,7 @@ class GemvPlan:
     num_stages: int = 3
     swap_ab: bool = False
     wgmma: bool = False
+    tma: bool = False
 
     @property
     def use_dot(self) -> bool:
@@ -105,17 +112,27 @@ TILES_16BIT = TileTable(m1=Tile(2, 1024), m16=Tile(128, 128), m32=Tile(128, 128)
 # of the 10 M = 8 / 32 shapes of the 2026-12-03 benchmark (2048 x 4096, M = 8: 9.7 against 7.6 us): kept.
 TILES_FP8 = TileTable(m1=Tile(16, 256), m16=Tile(64, 256), m32=Tile(128, 128))
 _MAX_SPLITS = 8
+# 16-bit weights of TMA_MIN_N rows up to TMA_MAX_N (where `TILES_16BIT`'s dot tiles have fewer than 128 rows)
+# run at M = 2-32 on the TMA kernel, on TMA_TILE, where the GPU has TMA (sm_90 on) and the operands' layout
+# lets it (`tma_refusal`). H200, one process, 3 alternating rounds (BENCHMARKS.md, thirteenth run AD): 8192 x
+# 2048 at M = 2 / 8 / 16 / 32 10.75 / 10.75 / 10.76 / 10.96 us on 64 x 128 tiles of 4 stages, against 11.07 /
+# 11.09 / 11.24 / 11.92 for the pointer-loaded dot and 11.25 / 11.18 / 11.23 / 11.34 for cuBLAS; 128-row TMA
+# tiles 11.24-11.49, 64 x 64 ones 11.44-13.57 at 4-6 stages. On 151936 x 2048 the two Triton kernels were
+# within 1% (the pointer dot ahead at M <= 16), and on 512 x 2048 (8 tiles) the TMA kernel was behind.
+TMA_TILE = Tile(64, 128, warps=4, stages=4)
+TMA_MIN_N, TMA_MAX_N = 8192, (TILES_16BIT.min_tiles_dot - 1) * TILES_16BIT.m32.block_n
+TMA = True                  # False plans without the TMA kernel (benchmarks compare the two in one process)
 
 
 def make_plan(m: int, n: int, k: int, block_n: int, block_k: int, splits: int = 1, block_m: int | None = None,
-              num_warps: int = 4, num_stages: int = 3, swap_ab: bool = False) -> GemvPlan:
+              num_warps: int = 4, num_stages: int = 3, swap_ab: bool = False, tma: bool = False) -> GemvPlan:
     """A plan with explicit tiles (the planner, tests and tuning sweeps); K is cut into `splits` slices of
     whole BLOCK_K chunks (fewer when K has fewer chunks)."""
     block_m = block_m or _block_m(m)
     k_chunks = max(1, triton.cdiv(k, block_k))
     k_per_split = triton.cdiv(k_chunks, max(1, min(splits, k_chunks))) * block_k
     splits = max(1, triton.cdiv(k, k_per_split))                   # no empty slice
-    return GemvPlan(block_m, block_n, block_k, splits, k_per_split, num_warps, num_stages, swap_ab)
+    return GemvPlan(block_m, block_n, block_k, splits, k_per_split, num_warps, num_stages, swap_ab, tma=tma)
 
 
 def _block_m(m: int) -> int:
@@ -125,13 +142,18 @@ def _block_m(m: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16BIT) -> GemvPlan:
+def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16BIT, tma: bool = False) -> GemvPlan:
     """The launch of `tiles`' M class, narrowed for weights with few rows as `TileTable` says; BLOCK_K
     shrinks to K (rounded up to a power of two, at least `tiles.min_block_k`); `split_k` adds K slices
     where the N tiles alone leave SMs idle. M up to `tiles.max_gemv_m` runs as a GEMV on the CUDA cores
-    (block_m M rounded up to a power of two), larger M on the tensor cores."""
+    (block_m M rounded up to a power of two), larger M on the tensor cores. `tma` (the call can run the TMA
+    kernel: `tma_refusal` is None): 16-bit weights of `TMA_MIN_N` to `TMA_MAX_N` rows take `TMA_TILE` there."""
     bm = 1 << (m - 1).bit_length() if m <= tiles.max_gemv_m else _block_m(m)
     gemv = bm < 16
+    if tma and not gemv and tiles is TILES_16BIT and TMA_MIN_N <= n <= TMA_MAX_N:
+        t = TMA_TILE
+        return make_plan(m, n, k, t.block_n, t.block_k, block_m=bm, num_warps=t.warps, num_stages=t.stages,
+                         tma=True)
     tile = (tiles.m1 if bm == 1 else tiles.rows or tiles.m1) if gemv else tiles.m16 if bm == 16 else tiles.m32
     bn, bk = tile.block_n, tile.block_k
     min_tiles, min_bn, max_bk, programs = ((tiles.min_tiles, 1, tiles.max_block_k_fma, _SM_COUNT_H200) if gemv
@@ -241,6 +263,24 @@ def _x_f16_rows_kernel(x_ptr, x16_ptr, exp_ptr, K, stride_xm, stride_xk, BLOCK: 
         offs = k0 + tl.arange(0, BLOCK)
         v = tl.load(row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32) * x_scale
         tl.store(x16_ptr + m * K + offs, v.to(tl.float16), mask=offs < K)
+
+
+@triton.jit
+def _linear_tma_kernel(x_desc, w_desc, out_ptr, M, N, K, stride_om, stride_on,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOWP_DOT: tl.constexpr):
+    """out = x @ W^T for 2 <= M <= BLOCK_M and a 16-bit weight, as `_linear_kernel`'s swapped dot, its tiles
+    loaded by TMA through the descriptors (x [M, K] in blocks [BLOCK_M, BLOCK_K], W [N, K] in [BLOCK_N,
+    BLOCK_K]; rows and K past the ends read as zeros); Triton pipelines the loop `num_stages` deep."""
+    pid_n = tl.program_id(0)
+    acc = dot_zeros(BLOCK_M, BLOCK_N, True)                          # [BN, BM]
+    for k0 in range(0, K, BLOCK_K):
+        w = w_desc.load([pid_n * BLOCK_N, k0])                       # [BN, BK]
+        x = x_desc.load([0, k0])                                     # [BM, BK]
+        acc = dot_acc(x, w, acc, x_desc.dtype, LOWP_DOT, True)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    store_tile(dot_result(acc, True), out_ptr, out_ptr, 0, offs_m, offs_n, offs_m < M, offs_n < N, M, N,
+               stride_om, stride_on, False)
 
 
 @triton.jit
@@ -377,6 +417,30 @@ def _has_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def tma_refusal(x: torch.Tensor, weight: torch.Tensor, scaled: bool) -> str | None:
+    """Why `_linear_tma_kernel` cannot run x [M, K] @ weight [N, K]^T, or None: it takes 16-bit x and
+    weight of one dtype (no per-row scale), 2 <= M <= 32, on a GPU with TMA (sm_90 on) or in the interpreter,
+    both with unit stride along K and 16-byte aligned starts and row strides."""
+    m = x.shape[0]
+    if scaled or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        scale = " with a row scale" if scaled else ""
+        return f"x {x.dtype}, weight {weight.dtype}{scale}: it takes 16-bit x and weight of one dtype"
+    if not 2 <= m <= MAX_M:
+        return f"M = {m}: it takes 2 to {MAX_M} rows"
+    if x.is_cuda and not _has_tma(x.device):
+        return f"x on {x.device}, capability {torch.cuda.get_device_capability(x.device)}: it needs TMA (sm_90 on)"
+    for name, t in (("x", x), ("weight", weight)):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return (f"{name} has strides {t.stride()} and starts {t.data_ptr() % 16} bytes past a 16-byte "
+                    "boundary: TMA takes unit stride along K, rows a multiple of 16 bytes apart and aligned starts")
+    return None
+
+
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,
                   plan: GemvPlan | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype. `split_k` cuts K across programs (tall-skinny
@@ -391,7 +455,22 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     if m == 0 or n == 0:
         return out
     scaled = weight_scale is not None
-    plan = plan or plan_for(m, n, k, split_k, TILES_FP8 if scaled else TILES_16BIT)
+    if plan is None:
+        tma = TMA and not scaled and tma_refusal(x, weight, scaled) is None
+        plan = plan_for(m, n, k, split_k, TILES_FP8 if scaled else TILES_16BIT, tma)
+    if plan.tma:
+        why = tma_refusal(x, weight, scaled) or (None if plan.splits == 1 and plan.use_dot else
+                                                  f"the plan has {plan.splits} K slices and block_m "
+                                                  f"{plan.block_m}: it takes one K slice on the dot path")
+        if why:
+            raise ValueError(f"plan: tma = True, but {why}. Plan it with tma = False (the planner does where "
+                             "the call cannot run the TMA kernel)")
+        xd = TensorDescriptor.from_tensor(x, [plan.block_m, plan.block_k])
+        wd = TensorDescriptor.from_tensor(weight, [plan.block_n, plan.block_k])
+        _linear_tma_kernel[(triton.cdiv(n, plan.block_n),)](
+            xd, wd, out, m, n, k, out.stride(0), out.stride(1), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            BLOCK_K=plan.block_k, LOWP_DOT=lowp_dot(x), num_warps=plan.num_warps, num_stages=plan.num_stages)
+        return out
     part = partial_buffer(plan, m, n, x)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
     x_op, exps, pdl = x, out, False

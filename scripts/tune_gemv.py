@@ -3,7 +3,8 @@ slices, swapped operands, weight decode) is fastest per format, shape and M. The
 `TileTable`s of `kernels/linear.py` and `kernels/linear_nvfp4.py` by hand, with the sweep's date.
 
 Timing as `bench_kernels.py` (CUDA-graph replay over weight copies larger than L2, median), shorter runs;
-BF16 prints cuBLAS (`torch.nn.functional.linear`) on the same copies after its grid, the target's peer.
+BF16 prints cuBLAS (`torch.nn.functional.linear`) on the same copies after its grid, the target's peer; at
+M > 1 its grid holds the TMA kernel's tiles (`TMA_TILES`) and the planner's plan beside the pointer-loaded dot's.
 It sweeps the Triton kernels only: the Gluon wgmma kernel that NVFP4 runs at M = 2-32 on the LM heads on sm_90
 (`GemvPlan.wgmma`) has its own tiles (`gemm_nvfp4_wgmma.py`, swept by `sweep_wgmma.py`) and is switched off here
 (`WGMMA = False`), so each grid times its Triton kernel; `clock_watch.py --compare wgmma` sets the two side by side.
@@ -50,6 +51,9 @@ NVFP4_TILES = [(16, 256), (32, 256), (64, 128), (64, 256), (128, 64), (128, 128)
 NVFP4_GEMV_TILES = [(32, 256), (64, 256), (128, 256)]
 # the NVFP4 GEMV of 2 to 8 rows (`_gemv_nvfp4_rows_kernel`): rows per program x K per step
 NVFP4_ROWS_TILES = [(16, 256), (32, 256), (64, 256), (32, 128)]
+# BF16 on the TMA kernel (`GemvPlan.tma`, sm_90 on): rows, K per step, stages (4 warps). 2026-12-04, 8192 x
+# 2048: 64 x 64 at 3-6 stages and 128 x 64 at 3 slower (11.4-17.8 us against 10.8-11.0)
+TMA_TILES = [(64, 128, 4), (64, 128, 6), (64, 256, 3), (128, 128, 4)]
 # FP8 on the dot path, each in bf16 and in fp16 (x's pass, `F16_DOT_MIN_ELEMENTS`)
 FP8_DOT_TILES = [(64, 128), (64, 256), (128, 64), (128, 128)]
 
@@ -158,11 +162,17 @@ def main() -> int:
                     swaps = (False, True) if fname != "bf16" else (False,)   # decoded tiles as the dot's A too
                     grid = [make_plan(m, n, k, bn, bk, num_warps=nw, num_stages=3, swap_ab=sw)
                             for (bn, bk), nw, sw in itertools.product(DOT_TILES, (4, 8), swaps)]
+                    if fname == "bf16" and linear.tma_refusal(x, w0, False) is None:   # the TMA kernel's tiles
+                        grid += [make_plan(m, n, k, bn, bk, num_warps=4, num_stages=st, tma=True)
+                                 for bn, bk, st in TMA_TILES]
+                        shipped = plan_for(m, n, k, True, tma=True)               # what the planner runs
+                        grid += [shipped] if shipped not in grid else []
                 for p in grid:
                     run(p, grid_x_pass)
                 setattr(*x_pass_switch[:2], shipped_x_pass)
                 results.sort(key=lambda r: r[0])
-                for _, p, _ in results[:2] if grid else []:  # refine the two best: stages, swapped operands, K slices
+                pointer = [r for r in results if not r[1].tma]
+                for _, p, _ in pointer[:2] if grid else []:  # refine the two best: stages, swapped operands, K slices
                     d = dict(p.__dict__)
                     for st in ((1, 4) if d["block_m"] > 1 and fname != "nvfp4" else ()):   # NVFP4: in the grid
                         run(make_plan(m, n, k, d["block_n"], d["block_k"], block_m=d["block_m"],

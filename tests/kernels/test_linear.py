@@ -12,12 +12,19 @@ element the kernel gets wrong (a K tile dropped or counted twice, a wrong row) i
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import pytest
 import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError
 from mtpfactory.kernels.linear import (
+    TILES_FP8,
+    TMA_MAX_N,
+    TMA_MIN_N,
+    TMA_TILE,
     _has_pdl,
     _linear_native,
     _linear_triton_supports,
@@ -29,6 +36,8 @@ from mtpfactory.kernels.linear import (
 )
 from mtpfactory.ops import Provider
 from gemv_common import DTYPES, MS, SHAPES, assert_matches, explicit_plans, poisoned
+
+linear_module = importlib.import_module("mtpfactory.kernels.linear")   # the package exports the Op as `linear`
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
@@ -93,6 +102,63 @@ def test_strided_input_and_output():
         linear_triton(x, w, out=out_wide[:, 10:43])
     assert_matches(out_wide[:, 10:43], _linear_native(x, w), x.float().abs() @ w.float().abs().T)
     assert out_wide[:, :10].isnan().all() and out_wide[:, 43:].isnan().all()
+
+
+def tma_plan(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128, stages: int = 4):
+    return make_plan(m, n, k, block_n, block_k, num_warps=4, num_stages=stages, tma=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m,n,k", [(2, 64, 128), (5, 100, 200), (17, 130, 48), (32, 70, 264)])
+def test_tma_kernel_matches_reference(dtype, m, n, k):
+    """The TMA kernel under the interpreter: N and K off its 64 x 128 tiles (rows and K past the ends read
+    as zeros), 16 and 32 rows of x a block, poisoned out; and on 32 x 64 tiles of 2 stages."""
+    x, w = make_inputs(m, n, k, dtype, seed=m + n + k)
+    check(x, w, plan=tma_plan(m, n, k))
+    check(x, w, plan=tma_plan(m, n, k, block_n=32, block_k=64, stages=2))
+
+
+def test_planner_gives_projections_the_tma_kernel():
+    """16-bit weights of TMA_MIN_N to TMA_MAX_N rows at M = 2-32, where the call can run it; never M = 1,
+    the LM heads (their pointer dot is as fast), small weights, FP8 weights or a call that cannot."""
+    t = TMA_TILE
+    for m in (2, 8, 16, 17, 32):
+        p = plan_for(m, 8192, 2048, True, tma=True)
+        assert p.tma and (p.block_n, p.block_k, p.num_warps, p.num_stages, p.splits) == (t.block_n, t.block_k,
+                                                                                         t.warps, t.stages, 1)
+        assert not plan_for(m, 8192, 2048, True).tma
+    assert plan_for(8, TMA_MIN_N, 2048, True, tma=True).tma and plan_for(8, TMA_MAX_N, 2048, True, tma=True).tma
+    assert plan_for(8, TMA_MAX_N, 2048, True).block_n < 128 == plan_for(8, TMA_MAX_N + 1, 2048, True).block_n
+    for m, n in ((1, 8192), (8, TMA_MIN_N - 1), (8, TMA_MAX_N + 1), (32, 151936), (32, 2048)):
+        assert not plan_for(m, n, 2048, True, tma=True).tma, (m, n)
+    assert not plan_for(8, 8192, 2048, True, TILES_FP8, tma=True).tma
+
+
+def test_the_planner_plans_tma_only_where_the_call_can_run_it(monkeypatch):
+    seen = []
+    monkeypatch.setattr(linear_module, "plan_for", lambda *a: seen.append(a[-1]) or plan_for(*a[:-1]))
+    x, w = make_inputs(4, 16, 64, torch.bfloat16)
+    linear_triton(x, w)                                       # 16-bit, aligned: the planner may give TMA tiles
+    linear_triton(x.float(), w.float())                       # fp32: it may not
+    linear_triton(torch.zeros(4, 68, dtype=torch.bfloat16)[:, :64], w)     # rows 136 bytes apart: not
+    monkeypatch.setattr(linear_module, "TMA", False)
+    linear_triton(x, w)
+    assert seen == [True, False, False, False]
+
+
+def test_tma_plans_it_cannot_run_are_refused():
+    x, w = make_inputs(4, 70, 64, torch.bfloat16)
+    out = torch.full((4, 70), 7.0, dtype=torch.bfloat16)
+    cases = [(x.float(), w.float(), tma_plan(4, 70, 64), r"x torch.float32.*16-bit x and weight"),
+             (torch.zeros(4, 68, dtype=torch.bfloat16)[:, :64], w, tma_plan(4, 70, 64),
+              r"x has strides \(68, 1\).*rows a multiple of 16 bytes apart"),
+             (x, w, dataclasses.replace(make_plan(4, 70, 64, 64, 32, splits=2), tma=True),
+              r"2 K slices and block_m 16: it takes one K slice"),
+             (x[:1], w, tma_plan(1, 70, 64), r"M = 1: it takes 2 to 32 rows")]
+    for xi, wi, plan, match in cases:
+        with pytest.raises(ValueError, match=match):
+            linear_triton(xi, wi, plan=plan, out=out[:xi.shape[0]] if xi.dtype == out.dtype else None)
+        assert bool((out == 7.0).all())
 
 
 def test_op_dispatch_uses_triton_under_triton_backend(monkeypatch):
@@ -190,3 +256,43 @@ def test_gpu_auto_backend_picks_triton(monkeypatch):
         linear(make_inputs(33, 64, 64, torch.bfloat16, device="cuda")[0], w[:, :64].contiguous())  # M > 32: native
     assert calls == [1]
     assert_matches(y, _linear_native(x.float(), w.float()).to(torch.bfloat16), x.float().abs() @ w.float().abs().T)
+
+
+def _has_tma_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_tma_gpu(), reason="needs a GPU with TMA (sm_90 on)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [2, 8, 17, 32])
+def test_gpu_projections_run_the_tma_kernel(dtype, m, monkeypatch):
+    """q_proj's shape (8192 x 2048) through the planner, which plans the TMA kernel; poisoned out."""
+    n, k = 8192, 2048
+    x, w = make_inputs(m, n, k, dtype, seed=m, device="cuda")
+    plans = []
+    real = linear_module.plan_for
+    monkeypatch.setattr(linear_module, "plan_for", lambda *a: plans.append(real(*a)) or plans[-1])
+    out = linear_triton(x, w, split_k=True, out=poisoned(m, n, dtype, "cuda"))
+    assert plans[-1].tma
+    assert_matches(out, _linear_native(x.float(), w.float()).to(dtype), x.float().abs() @ w.float().abs().T)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_tma_gpu(), reason="needs a GPU with TMA (sm_90 on)")
+@pytest.mark.parametrize("m", [3, 16, 32])
+def test_gpu_tma_kernel_on_odd_shapes(m):
+    """N and K off the tiles (1000 x 1000: rows and K past the ends come in as zeros), two tiles; and an x
+    whose rows are not 16-byte multiples apart, which the planner sends to the pointer-loaded dot."""
+    x, w = make_inputs(m, 1000, 1000, torch.bfloat16, seed=m, device="cuda")
+    bound = x.float().abs() @ w.float().abs().T
+    ref = _linear_native(x.float(), w.float()).to(torch.bfloat16)
+    for plan in (tma_plan(m, 1000, 1000), tma_plan(m, 1000, 1000, block_n=128, block_k=64, stages=3)):
+        assert_matches(linear_triton(x, w, plan=plan, out=poisoned(m, 1000, torch.bfloat16, "cuda")), ref, bound)
+    x2, w2 = make_inputs(m, 8192, 2048, torch.bfloat16, seed=m, device="cuda")
+    wide = torch.zeros(m, 2052, dtype=torch.bfloat16, device="cuda")
+    wide[:, :2048] = x2
+    xs = wide[:, :2048]                                          # rows 4104 bytes apart
+    assert linear_module.tma_refusal(xs, w2, False) is not None
+    assert_matches(linear_triton(xs, w2, out=poisoned(m, 8192, torch.bfloat16, "cuda")),
+                   _linear_native(x2.float(), w2.float()).to(torch.bfloat16), x2.float().abs() @ w2.float().abs().T)
