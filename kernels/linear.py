@@ -417,11 +417,6 @@ def _has_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _has_tma(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def tma_refusal(x: torch.Tensor, weight: torch.Tensor, scaled: bool) -> str | None:
     """Why `_linear_tma_kernel` cannot run x [M, K] @ weight [N, K]^T, or None: it takes 16-bit x and
     weight of one dtype (no per-row scale), 2 <= M <= 32, on a GPU with TMA (sm_90 on) or in the interpreter,
@@ -432,7 +427,7 @@ def tma_refusal(x: torch.Tensor, weight: torch.Tensor, scaled: bool) -> str | No
         return f"x {x.dtype}, weight {weight.dtype}{scale}: it takes 16-bit x and weight of one dtype"
     if not 2 <= m <= MAX_M:
         return f"M = {m}: it takes 2 to {MAX_M} rows"
-    if x.is_cuda and not _has_tma(x.device):
+    if x.is_cuda and not _has_pdl(x.device):                        # TMA came with PDL, in sm_90
         return f"x on {x.device}, capability {torch.cuda.get_device_capability(x.device)}: it needs TMA (sm_90 on)"
     for name, t in (("x", x), ("weight", weight)):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
@@ -459,9 +454,10 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
         tma = TMA and not scaled and tma_refusal(x, weight, scaled) is None
         plan = plan_for(m, n, k, split_k, TILES_FP8 if scaled else TILES_16BIT, tma)
     if plan.tma:
-        why = tma_refusal(x, weight, scaled) or (None if plan.splits == 1 and plan.use_dot else
+        why = tma_refusal(x, weight, scaled) or (None if plan.splits == 1 and plan.block_m >= max(16, m) else
                                                   f"the plan has {plan.splits} K slices and block_m "
-                                                  f"{plan.block_m}: it takes one K slice on the dot path")
+                                                  f"{plan.block_m} for M = {m}: it takes one K slice on the dot "
+                                                  "path, block_m at least M")
         if why:
             raise ValueError(f"plan: tma = True, but {why}. Plan it with tma = False (the planner does where "
                              "the call cannot run the TMA kernel)")
