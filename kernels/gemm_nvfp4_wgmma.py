@@ -237,12 +237,13 @@ def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor,
     contiguous. `tile`: `TILES[block_m(M)]` unless given (sweeps)."""
     m, k = x16.shape
     n = words.shape[0]
-    if (k % MIN_K_MULTIPLE or m > max(TILES)
+    if (k % MIN_K_MULTIPLE or m > max(TILES) or scale_bits.storage_offset() % 4
             or not (words.is_contiguous() and scale_bits.is_contiguous() and x16.is_contiguous())):
         raise ValueError(f"gemm_nvfp4_wgmma: M = {m}, K = {k}, contiguous words {words.is_contiguous()}, scales "
-                         f"{scale_bits.is_contiguous()}, x {x16.is_contiguous()}; it takes M <= {max(TILES)}, K a "
-                         f"multiple of {MIN_K_MULTIPLE} and contiguous operands: run it where `GemvPlan.wgmma` is "
-                         "planned")
+                         f"{scale_bits.is_contiguous()} at byte offset {scale_bits.storage_offset()}, x "
+                         f"{x16.is_contiguous()}; it takes M <= {max(TILES)}, K a multiple of {MIN_K_MULTIPLE}, "
+                         "contiguous operands and scales starting on a 4-byte boundary (read as int32 words of 4): "
+                         "run it where `GemvPlan.wgmma` is planned, scales contiguous")
     bm = block_m(m)
     tile = tile or TILES[bm]
     s32 = scale_bits.view(torch.int32)

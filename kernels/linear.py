@@ -450,10 +450,10 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     if m == 0 or n == 0:
         return out
     scaled = weight_scale is not None
-    if plan is None:
-        tma = TMA and not scaled and tma_refusal(x, weight, scaled) is None
-        plan = plan_for(m, n, k, split_k, TILES_FP8 if scaled else TILES_16BIT, tma)
-    if plan.tma:
+    if plan is None:            # the planner plans the TMA kernel only where the call can run it
+        plan = plan_for(m, n, k, split_k, TILES_FP8 if scaled else TILES_16BIT,
+                        TMA and tma_refusal(x, weight, scaled) is None)
+    elif plan.tma:              # a plan given (tests, sweeps): checked
         why = tma_refusal(x, weight, scaled) or (None if plan.splits == 1 and plan.block_m >= max(16, m) else
                                                   f"the plan has {plan.splits} K slices and block_m "
                                                   f"{plan.block_m} for M = {m}: it takes one K slice on the dot "
@@ -461,6 +461,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
         if why:
             raise ValueError(f"plan: tma = True, but {why}. Plan it with tma = False (the planner does where "
                              "the call cannot run the TMA kernel)")
+    if plan.tma:
         xd = TensorDescriptor.from_tensor(x, [plan.block_m, plan.block_k])
         wd = TensorDescriptor.from_tensor(weight, [plan.block_n, plan.block_k])
         _linear_tma_kernel[(triton.cdiv(n, plan.block_n),)](

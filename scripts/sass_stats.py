@@ -55,7 +55,7 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
     fmt, kind = name.split("-")
     if kind == "wgmma":                                              # the Gluon kernel, at its own tile
         return (wgmma._gemm_nvfp4_wgmma_kernel,
-                {"x16_ptr": "*fp16", "exp_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*i16", "s2_ptr": "*fp32",
+                {"x16_ptr": "*fp16", "exp_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*i32", "s2_ptr": "*fp32",
                  "out_ptr": "*bf16"},
                 dict(wgmma.layouts(bn, bk, bn // 16, bm), BN=bn, BK=bk, BM=bm, STAGES=stages, PDL=True))
     dot = kind == "gemm"

@@ -100,12 +100,18 @@ def test_tiles_it_cannot_run_are_refused():
     assert [block_m(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
 
 
-def test_wgmma_refuses_k_it_cannot_copy():
+def test_wgmma_refuses_k_and_scales_it_cannot_copy():
     from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
     x16 = torch.zeros(2, 768, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"K = 768.*a multiple of 512"):
         gemm_nvfp4_wgmma(x16, torch.zeros(2, 1, dtype=torch.int32), torch.zeros(4, 96, dtype=torch.int32),
                          torch.zeros(4, 48, dtype=torch.uint8), torch.ones(1), torch.empty(2, 4), False)
+    scales = torch.zeros(4 * 32 + 1, dtype=torch.uint8)[1:].view(4, 32)   # contiguous, one byte past a word
+    out = torch.full((2, 4), 3.0)
+    with pytest.raises(ValueError, match=r"scales True at byte offset 1.*a 4-byte boundary"):
+        gemm_nvfp4_wgmma(torch.zeros(2, 512, dtype=torch.float16), torch.zeros(2, 1, dtype=torch.int32),
+                         torch.zeros(4, 64, dtype=torch.int32), scales, torch.ones(1), out, False)
+    assert bool((out == 3.0).all())
 
 
 def test_planned_pairs_carry_the_order_of_the_kernel_that_reads_them(monkeypatch):
