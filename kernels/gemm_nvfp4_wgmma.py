@@ -8,7 +8,7 @@ registers). On 151936 x 2048 at M = 32 that kernel was bound by L1/shared memory
 holds: wgmma's register A layout (k_width 2) gives the thread in lane 4r + c of warp w the rows 16w + r and
 16w + r + 8 and, in each 16-wide K block, the pairs at 2c and 2c + 8. A permutation of K within each K tile
 of BK makes one word of 8 codes fill such a thread's fragment over two K blocks, so each thread reads its own
-words (32 bytes a row at BK = 256, from a cp.async ring that keeps the next K steps in flight: the packed
+words (32 bytes a row at BK = 256, from a ring in shared memory that TMA keeps the next K steps in: the packed
 words are a quarter of the decoded tile's bytes) and its blocks' scales (an int32 of 4, made fp16 pairs by one
 asm), and `convert_layout(..., assert_trivial=True)` proves no data moves after.
 x is permuted the same way by x's pass (`_x_f16_pairs_kernel(ORDER=BK)`), so the products are those of the
@@ -30,7 +30,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_wait
 
 from mtpfactory.kernels.linear_nvfp4 import _E2M1X8_F16_SCALED_PTX
@@ -99,9 +100,8 @@ def dot_order(k: int, bk: int) -> torch.Tensor:
 def layouts(bn: int, bk: int, warps: int, bm: int) -> dict:
     """The kernel's layouts for tiles of bn weight rows (64 a warpgroup), bk of K (a multiple of 256) and bm
     rows of x: the registers' (words and scale words as each thread decodes them, the accumulator and the A
-    operand), the copies' (16 bytes of words, 4 of scales, 16 of x a thread) and the ring's (x swizzled for
-    the wgmma; words swizzled in 16-byte groups, so that the 8 lanes of each phase of a read-back hit 8
-    different groups of banks; scales plain)."""
+    operand) and the ring's, which TMA fills (x swizzled for the wgmma; words swizzled in 16-byte groups, so
+    that the 8 lanes of each phase of a read-back hit 8 different groups of banks; scales plain)."""
     wg = warps // 4
     assert bn == 64 * wg and bk % 256 == 0 and bm in (8, 16, 32), (bn, bk, warps, bm)
     per = bk // 32                                                   # words a row a thread
@@ -118,19 +118,15 @@ def layouts(bn: int, bk: int, warps: int, bm: int) -> dict:
         lane_bases=[[0, per // 8], [0, per // 4], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
         shape=[bn, bk // 64])
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bm, 16])
-    return dict(WORDS=words, SCALES=scales, ACC=acc, A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2),
-                X_LOAD=gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16] if bm >= 16 else [1, 32],
-                                        warps_per_cta=[warps, 1], order=[1, 0]),
-                X_SMEM=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
-                W_COPY=gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (bk // 32), bk // 32],
-                                        warps_per_cta=[warps, 1], order=[1, 0]),
-                S_COPY=gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32 // (bk // 64), bk // 64],
-                                        warps_per_cta=[warps, 1], order=[1, 0]),
-                # row r's 16-byte group g at g ^ (r % 8): a phase of a 16-byte read-back (lanes 4r + c and
-                # 4(r+1) + c, c in 0..3, groups 2c or 2c + 1) meets each bank once, not twice (rows are 128
-                # bytes, so unswizzled rows r and r + 1 share their banks)
-                W_SMEM=gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]),
-                S_SMEM=gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    return dict(WORDS=words, SCALES=scales, ACC=acc, A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2))
+
+
+# The ring's layouts (the TMA descriptors'). Words: 128-byte rows at BK = 256, their 16-byte groups XOR-swizzled by
+# row % 8: a phase of a 16-byte read-back (lanes 4r + c and 4(r+1) + c, c in 0..3, groups 2c or 2c + 1) meets each
+# bank once, not twice (unswizzled, rows r and r + 1 share their banks). x: the wgmma's B operand.
+W_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+S_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
 # E4M3 scales -> fp16 pairs for `_E2M1X8_F16_SCALED_PTX`: $4 a word of 4 block scales (block 0 in the low
@@ -169,57 +165,62 @@ def _decode(wv, s32, BN: gl.constexpr, BK: gl.constexpr, WORDS: gl.constexpr, A_
 
 
 @gluon.jit
-def _ring_issue(w_sm, s_sm, x_sm, w_ptrs, s_ptrs, x_ptrs, x_mask, kk, BK: gl.constexpr):
-    """The copies of the K step at kk into one stage of the ring, as one cp.async group."""
-    async_copy.async_copy_global_to_shared(w_sm, w_ptrs + kk // 8)
-    async_copy.async_copy_global_to_shared(s_sm, s_ptrs + kk // 64)
-    async_copy.async_copy_global_to_shared(x_sm, x_ptrs + kk, mask=x_mask)
-    async_copy.commit_group()
+def _ring_issue(w_desc, s_desc, x_desc, bar, w_sm, s_sm, x_sm, row, kk, pred, X: gl.constexpr = True,
+                W: gl.constexpr = True):
+    """The TMA copies of the K step at kk into one stage of the ring (words and scales where W, x where X;
+    the barrier expects all three), completing on its barrier `bar`; none where not `pred`."""
+    if W:
+        mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes + x_desc.block_type.nbytes,
+                        pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [row, kk // 8], bar, w_sm, pred=pred)
+        tma.async_copy_global_to_shared(s_desc, [row, kk // 64], bar, s_sm, pred=pred)
+    if X:
+        tma.async_copy_global_to_shared(x_desc, [0, kk], bar, x_sm, pred=pred)
 
 
 @gluon.jit
-def _gemm_nvfp4_wgmma_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, M, N, K, stride_wn, stride_sn,
-                             stride_om, stride_on, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
-                             WORDS: gl.constexpr, SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr,
-                             X_LOAD: gl.constexpr, X_SMEM: gl.constexpr, W_COPY: gl.constexpr, S_COPY: gl.constexpr,
-                             W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
-    """out [M, N] = x @ w^T for M <= BM: x16 is x's pass's fp16 [M, K] in `dot_order` (times 2^exp[m], one K
-    slice), w the words [N, K/8] (int32), s the scale bytes as int32 words of 4 blocks [N, K/64]; K a multiple of
-    MIN_K_MULTIPLE (`gemm_nvfp4_wgmma` checks).
-    One program a tile of BN rows. Words, scales and x go through a ring of STAGES steps in shared memory
-    (cp.async, STAGES - 1 steps in flight); each thread reads back its own words in the A layout, decodes them
-    into its fragment, and the wgmma takes x from the ring. Rows past N read row N - 1 (stored nowhere); rows
-    of x past M are zero-filled. PDL: launched beside x's pass, whose pairs it reads after it ends."""
+def _gemm_nvfp4_wgmma_kernel(x_desc, exp_ptr, w_desc, s_desc, s2_ptr, out_ptr, M, N, K, stride_om, stride_on,
+                             BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr, WORDS: gl.constexpr,
+                             SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr, STAGES: gl.constexpr,
+                             PDL: gl.constexpr):
+    """out [M, N] = x @ w^T for M <= BM, read through TMA descriptors: x_desc of x's pass's fp16 [M, K] in
+    `dot_order` (times 2^exp[m], one K slice; blocks [BM, BK]), w_desc of the words [N, K/8] (int32; blocks
+    [BN, BK/8]), s_desc of the scale bytes as int32 words of 4 blocks [N, K/64] (blocks [BN, BK/64]); K a
+    multiple of MIN_K_MULTIPLE (`gemm_nvfp4_wgmma` checks).
+    One program a tile of BN rows. A ring of STAGES K steps in shared memory, each stage's three copies
+    completing on its mbarrier; each thread reads back its own words in the A layout, decodes them into its
+    fragment, and the wgmma takes x from the ring; the stage is refilled STAGES - 1 steps ahead once every
+    warp is past it. Rows past N and rows of x past M are read as zeros (TMA's bounds) and stored nowhere.
+    PDL: launched beside x's pass, whose pairs it reads after it ends (the first weight copies go out before)."""
+    pid = gl.program_id(0)
+    row = pid * BN
+    w_sm = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], w_desc.layout)
+    s_sm = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 64], s_desc.layout)
+    x_sm = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(bars.index(j), count=1)
+    nk = K // BK
+    for j in gl.static_range(STAGES - 1):                            # the weights need nothing from x's pass
+        _ring_issue(w_desc, s_desc, x_desc, bars.index(j), w_sm.index(j), s_sm.index(j), x_sm.index(j), row,
+                    j * BK, j < nk, X=False)
     if PDL:
         gdc_wait()
-    pid = gl.program_id(0)
-    rows = gl.minimum(pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, W_COPY)), N - 1).to(gl.int64)
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, W_COPY))[None, :]
-    srows = gl.minimum(pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, S_COPY)), N - 1).to(gl.int64)
-    s_ptrs = s_ptr + srows[:, None] * stride_sn + gl.arange(0, BK // 64, layout=gl.SliceLayout(0, S_COPY))[None, :]
-    xm = gl.arange(0, BM, layout=gl.SliceLayout(1, X_LOAD))
-    x_ptrs = x16_ptr + xm[:, None] * K + gl.arange(0, BK, layout=gl.SliceLayout(0, X_LOAD))[None, :]
-    x_mask = (xm < M)[:, None]
-    w_sm = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], W_SMEM)
-    s_sm = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 64], S_SMEM)
-    x_sm = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], X_SMEM)
-    last = K - BK
     for j in gl.static_range(STAGES - 1):
-        _ring_issue(w_sm.index(j), s_sm.index(j), x_sm.index(j), w_ptrs, s_ptrs, x_ptrs, x_mask,
-                    gl.multiple_of(gl.minimum(j * BK, last), BK), BK)
+        _ring_issue(w_desc, s_desc, x_desc, bars.index(j), w_sm.index(j), s_sm.index(j), x_sm.index(j), row,
+                    j * BK, j < nk, W=False)
     acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
-    for k0 in range(0, K, BK):
-        i = k0 // BK
-        async_copy.wait_group(STAGES - 2)                            # this step's copies landed (this thread's),
-        hopper.fence_async_shared()                                  # visible to the wgmma's async proxy,
-        gl.thread_barrier()                                          # everyone's; the stage refilled below is free
-        nxt = (i + STAGES - 1) % STAGES
-        _ring_issue(w_sm.index(nxt), s_sm.index(nxt), x_sm.index(nxt), w_ptrs, s_ptrs, x_ptrs, x_mask,
-                    gl.multiple_of(gl.minimum(k0 + (STAGES - 1) * BK, last), BK), BK)
+    for i in range(nk):
         cur = i % STAGES
+        mbarrier.wait(bars.index(cur), (i // STAGES) & 1)            # this step's copies landed
+        gl.thread_barrier()                                          # every warp is past step i - 1: its stage is free
+        nxt = (i + STAGES - 1) % STAGES
+        _ring_issue(w_desc, s_desc, x_desc, bars.index(nxt), w_sm.index(nxt), s_sm.index(nxt), x_sm.index(nxt),
+                    row, (i + STAGES - 1) * BK, i + STAGES - 1 < nk)
         a = _decode(w_sm.index(cur).load(WORDS), s_sm.index(cur).load(SCALES), BN, BK, WORDS, A_OP)
         acc = hopper.warpgroup_mma(a, x_sm.index(cur).permute((1, 0)), acc)
-    async_copy.wait_group(0)
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(j))
     on = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
     om = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
     p = 6 - gl.load(exp_ptr + om, mask=om < M, other=0)               # the decode's 2^-6 and x's 2^e undone
@@ -230,24 +231,37 @@ def _gemm_nvfp4_wgmma_kernel(x16_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, M,
              mask=(om < M)[None, :] & (on < N)[:, None])
 
 
+def operand_refusal(words: torch.Tensor, scale_bits: torch.Tensor) -> str | None:
+    """Why the kernel's TMA cannot read these words [N, K/8] (int32) and scale bytes [N, K/16] (uint8), or None:
+    each must start on a 16-byte boundary, its elements along K adjacent and its rows 16-byte multiples apart."""
+    for name, t in (("weight", words), ("weight_scale", scale_bits)):
+        row_bytes = t.stride(0) * t.element_size()
+        if t.stride(1) != 1 or t.data_ptr() % 16 or row_bytes % 16:
+            return (f"{name} starts {t.data_ptr() % 16} bytes past a 16-byte boundary with rows {row_bytes} bytes "
+                    f"apart and stride {t.stride(1)} along K; the kernel's TMA reads it from a 16-byte aligned "
+                    "start, rows a multiple of 16 bytes apart and K adjacent (pass a contiguous copy, "
+                    f"{name}.clone())")
+    return None
+
+
 def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor, scale_bits: torch.Tensor,
                      scale_2: torch.Tensor, out: torch.Tensor, pdl: bool, tile: WgmmaTile | None = None) -> None:
-    """Launch: x16 [M, K] fp16 in `dot_order(K, tile.bk)`, M <= 32, exps [M, 1], words [N, K/8] int32,
-    scale_bits [N, K/16] uint8, scale_2 [1] fp32, out [M, N]; K a multiple of MIN_K_MULTIPLE, words and scales
-    contiguous. `tile`: `TILES[block_m(M)]` unless given (sweeps)."""
+    """Launch: x16 [M, K] fp16 in `dot_order(K, tile.bk)`, M <= 32, contiguous; exps [M, 1]; words [N, K/8]
+    int32; scale_bits [N, K/16] uint8; scale_2 [1] fp32; out [M, N]; K a multiple of MIN_K_MULTIPLE; words and
+    scales as TMA reads them (`operand_refusal`). `tile`: `TILES[block_m(M)]` unless given (sweeps)."""
     m, k = x16.shape
     n = words.shape[0]
-    if (k % MIN_K_MULTIPLE or m > max(TILES) or scale_bits.storage_offset() % 4
-            or not (words.is_contiguous() and scale_bits.is_contiguous() and x16.is_contiguous())):
-        raise ValueError(f"gemm_nvfp4_wgmma: M = {m}, K = {k}, contiguous words {words.is_contiguous()}, scales "
-                         f"{scale_bits.is_contiguous()} at byte offset {scale_bits.storage_offset()}, x "
-                         f"{x16.is_contiguous()}; it takes M <= {max(TILES)}, K a multiple of {MIN_K_MULTIPLE}, "
-                         "contiguous operands and scales starting on a 4-byte boundary (read as int32 words of 4): "
-                         "run it where `GemvPlan.wgmma` is planned, scales contiguous")
+    why = (f"M = {m}, K = {k}, x contiguous {x16.is_contiguous()}: it takes M <= {max(TILES)}, K a multiple of "
+           f"{MIN_K_MULTIPLE} and contiguous x" if k % MIN_K_MULTIPLE or m > max(TILES) or not x16.is_contiguous()
+           else operand_refusal(words, scale_bits))
+    if why:
+        raise ValueError(f"gemm_nvfp4_wgmma: {why}; run it where `GemvPlan.wgmma` is planned")
     bm = block_m(m)
     tile = tile or TILES[bm]
     s32 = scale_bits.view(torch.int32)
     _gemm_nvfp4_wgmma_kernel[(triton.cdiv(n, tile.bn),)](
-        x16, exps, words, s32, scale_2, out, m, n, k, words.stride(0), s32.stride(0), out.stride(0), out.stride(1),
-        BN=tile.bn, BK=tile.bk, BM=bm, STAGES=tile.stages, PDL=pdl, num_warps=tile.warps, launch_pdl=pdl,
-        **layouts(tile.bn, tile.bk, tile.warps, bm))
+        TensorDescriptor.from_tensor(x16, [bm, tile.bk], X_SMEM), exps,
+        TensorDescriptor.from_tensor(words, [tile.bn, tile.bk // 8], W_SMEM),
+        TensorDescriptor.from_tensor(s32, [tile.bn, tile.bk // 64], S_SMEM), scale_2, out, m, n, k,
+        out.stride(0), out.stride(1), BN=tile.bn, BK=tile.bk, BM=bm, STAGES=tile.stages, PDL=pdl,
+        num_warps=tile.warps, launch_pdl=pdl, **layouts(tile.bn, tile.bk, tile.warps, bm))

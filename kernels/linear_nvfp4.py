@@ -990,13 +990,15 @@ WGMMA = True
 WGMMA_MIN_M = 2
 
 
-def wgmma_refusal(x: torch.Tensor, k: int, plan: GemvPlan) -> str | None:
-    """Why a plan with `wgmma` cannot run on x [M, k] (the Gluon kernel's conditions), or None."""
+def wgmma_refusal(x: torch.Tensor, k: int, plan: GemvPlan, words: torch.Tensor, scale_bits: torch.Tensor) -> str | None:
+    """Why a plan with `wgmma` cannot run on x [M, k] and these words and scale bytes (the Gluon kernel's
+    conditions), or None."""
     if not (x.is_cuda and _is_sm90(x.device)):
         return f"x on {x.device}: the kernel needs an sm_90 GPU"
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"x is {x.dtype}: the kernel takes bf16 or fp16 x"
-    return _wgmma_shape_refusal(x.shape[0], k, plan.splits)
+    from mtpfactory.kernels.gemm_nvfp4_wgmma import operand_refusal
+    return _wgmma_shape_refusal(x.shape[0], k, plan.splits) or operand_refusal(words, scale_bits)
 
 
 def _wgmma_shape_refusal(m: int, k: int, splits: int) -> str | None:
@@ -1040,12 +1042,14 @@ def planned_x_pairs(x: torch.Tensor, n: int, k: int, split_k: bool) -> XPairs | 
     return XPairs.empty(x.shape[0], k, plan.k_per_split, x.device, _pairs_order(plan))
 
 
-def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool) -> GemvPlan:
+def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool, wgmma: bool = True) -> GemvPlan:
     """The planner's tiles for x [M, K] times an [n, k] NVFP4 weight: `TILES_NVFP4_LM_HEAD` for 16-bit x on
     the LM heads (`LM_HEAD_MIN_ELEMENTS`), else `TILES_NVFP4`; on the LM heads on sm_90, WGMMA_MIN_M to 32 rows
-    run the wgmma kernel (`GemvPlan.wgmma`) where it can (`wgmma_refusal`)."""
+    run the wgmma kernel (`GemvPlan.wgmma`) where its shapes allow (`wgmma_refusal`; `linear_nvfp4_triton`
+    plans again with wgmma=False for a weight its TMA cannot read)."""
     lm_head = x.dtype in (torch.bfloat16, torch.float16) and uses_x_pass(n, k)
-    return _default_plan(x.shape[0], n, k, split_k, lm_head, WGMMA and lm_head and x.is_cuda and _is_sm90(x.device))
+    return _default_plan(x.shape[0], n, k, split_k, lm_head,
+                         WGMMA and wgmma and lm_head and x.is_cuda and _is_sm90(x.device))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1080,7 +1084,16 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if m == 0 or n == 0:
         return out
     x16 = x.dtype in (torch.bfloat16, torch.float16)
-    plan = plan or default_plan(x, n, k, split_k)
+    words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
+    scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
+    given = plan is not None
+    if not given:
+        plan = default_plan(x, n, k, split_k)
+        if plan.wgmma and (why := wgmma_refusal(x, k, plan, words, scale_bits)):
+            if x_pairs is not None and x_pairs.order:
+                raise ValueError(f"x_pairs: made in the wgmma kernel's order ({x_pairs.order}), which cannot run "
+                                 f"here: {why}")
+            plan = default_plan(x, n, k, split_k, wgmma=False)       # e.g. a weight view TMA cannot read
     if plan.block_k % NVFP4_BLOCK or (plan.use_dot and plan.block_k < 32):
         raise ValueError(f"plan: block_k = {plan.block_k}; NVFP4 tiles hold whole 16-element blocks (block_k a "
                          "multiple of 16, at least 32 on the tl.dot path, where a dot takes K >= 16): use one of "
@@ -1096,14 +1109,12 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                              "x pass (16-bit x does on the GEMV of several rows and the wgmma kernel, and on a "
                              f"weight of {LM_HEAD_MIN_ELEMENTS} elements or more on the one-row GEMV and on "
                              "tensor-core tiles of 32 rows): pass x_pairs=None")
-    if plan.wgmma and (why := wgmma_refusal(x, k, plan)):
+    if given and plan.wgmma and (why := wgmma_refusal(x, k, plan, words, scale_bits)):
         raise ValueError(f"plan: wgmma = True, but {why}: plan without it (default_plan sets it where it runs)")
     order = _pairs_order(plan)
     if x_pairs is not None:
         x_pairs.check(m, k, plan.k_per_split, x.device, order)
     part = partial_buffer(plan, m, n, x)                              # None for the wgmma kernel: one slice
-    words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
-    scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     scale_2 = weight_scale_2.reshape(1)
     grid = (triton.cdiv(n, plan.block_n), plan.splits)
     pairs, exps = words, words                                       # read only with x's pass

@@ -29,10 +29,13 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import mangle_type
 
 # the modules (the package exports the Ops under the same names)
 linear = importlib.import_module("mtpfactory.kernels.linear")
@@ -54,9 +57,12 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
     ahead itself and compiles with Triton's pipelining off, as its launcher does)."""
     fmt, kind = name.split("-")
     if kind == "wgmma":                                              # the Gluon kernel, at its own tile
+        def desc(dtype, block, layout):                              # a TMA descriptor's argument type
+            return mangle_type(TensorDescriptor.from_tensor(torch.zeros(64, 512, dtype=dtype), block, layout))
         return (wgmma._gemm_nvfp4_wgmma_kernel,
-                {"x16_ptr": "*fp16", "exp_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*i32", "s2_ptr": "*fp32",
-                 "out_ptr": "*bf16"},
+                {"x_desc": desc(torch.float16, [bm, bk], wgmma.X_SMEM), "exp_ptr": "*i32",
+                 "w_desc": desc(torch.int32, [bn, bk // 8], wgmma.W_SMEM),
+                 "s_desc": desc(torch.int32, [bn, bk // 64], wgmma.S_SMEM), "s2_ptr": "*fp32", "out_ptr": "*bf16"},
                 dict(wgmma.layouts(bn, bk, bn // 16, bm), BN=bn, BK=bk, BM=bm, STAGES=stages, PDL=True))
     dot = kind == "gemm"
     if fmt == "nvfp4":
@@ -111,8 +117,8 @@ _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((
 
 
 def loop_body(sass: str) -> list[tuple[str, str]]:
-    """(opcode, modifiers) of the instructions of the largest loop (the span of the longest backward
-    branch): the K loop of these kernels."""
+    """(opcode, modifiers) of the instructions of the largest loop (the span of the longest conditional
+    backward branch): the K loop of these kernels."""
     labels, pending, instrs = {}, [], []
     for line in sass.splitlines():
         m = re.match(r"^\s*\.(L_x_\d+):", line)
@@ -125,7 +131,9 @@ def loop_body(sass: str) -> list[tuple[str, str]]:
             for lab in pending:
                 labels[lab] = addr
             pending = []
-            target = re.search(r"BRA\s+`?\(?\.(L_x_\d+)", line)
+            # a loop's back edge is conditional: the unconditional branch from an out-of-line mbarrier retry
+            # back into the loop is not one
+            target = re.search(r"@!?U?P\w+\s+BRA\s+`?\(?\.(L_x_\d+)", line)
             instrs.append((addr, m.group(2), m.group(3), target.group(1) if target else None))
     best = (0, -1)
     for addr, _, _, target in instrs:

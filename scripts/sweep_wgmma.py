@@ -11,11 +11,12 @@ bandwidth measured in the same run). The kernel runs on x's pairs made beforehan
 makes them), so only the GEMM is timed.
 
     python3 scripts/sweep_wgmma.py [--shapes lm_head_qwen,lm_head_glm] [--ms 2,4,8,16,32] [--rounds 2]
-        [--tiles 128x8w-3,64x4w-4,...] [--peer old.py]
+        [--tiles 128x8w-3,64x4w-4,...] [--peer old.py [--peer-tiles 128x8w-2,64x4w-3,...]]
 
 --peer times another version of the kernel's module beside this one, each with its own `TILES` (the
 planner's tile at each M), checked first like the tiles: e.g. the last commit's, made by
 `git show HEAD:kernels/gemm_nvfp4_wgmma.py > diag/old_wgmma.py` (the device takes untracked files along).
+--peer-tiles times the peer at each of these tiles too (names from `TILES`), beside its own.
 """
 
 from __future__ import annotations
@@ -109,10 +110,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tiles", default=",".join(TILES))
     ap.add_argument("--peer", help="another version of the kernel's module, timed beside this one")
+    ap.add_argument("--peer-tiles", default="", help="tiles (names from TILES) to time the peer at, beside its own")
     args = ap.parse_args()
     peer = load_peer(args.peer) if args.peer else None
     ms = [int(v) for v in args.ms.split(",")]
     tiles = [t for t in args.tiles.split(",") if t]         # --tiles "" times the planner (and the peer) alone
+    peer_tiles = {"peer": None} | {f"peer {t}": TILES[t] for t in args.peer_tiles.split(",") if t} if peer else {}
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; {torch.cuda.get_device_name()}")
     for shape in args.shapes.split(","):
@@ -132,18 +135,18 @@ def main() -> int:
                 print(f"{shape} {name:16s} M = {m:2d}: {verdict}")
                 if verdict != "ok":
                     failed.add((name, m))
-        for m in ms if peer else []:
-            verdict = check(xs[m], first, peer.TILES[peer.block_m(m)], peer.gemm_nvfp4_wgmma)
-            print(f"{shape} {'peer':16s} M = {m:2d}: {verdict}")
+        for (name, tile), m in itertools.product(peer_tiles.items(), ms):
+            verdict = check(xs[m], first, tile or peer.TILES[peer.block_m(m)], peer.gemm_nvfp4_wgmma)
+            print(f"{shape} {name:16s} M = {m:2d}: {verdict}")
             if verdict != "ok":
-                failed.add(("peer", m))
+                failed.add((name, m))
         outs = {m: torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for m in xs}
         variants = {f"planner M={m}": [planner_call(xs[m], t) for t in copies] for m in [1] + ms}
         variants |= {f"Triton M={m}": [planner_call(xs[m], t, wgmma=False) for t in copies] for m in ms}
-        for m in ms if peer else []:
-            if ("peer", m) not in failed:
-                variants[f"peer M={m}"] = [wgmma_call(xs[m], t, peer.TILES[peer.block_m(m)], outs[m],
-                                                      peer.gemm_nvfp4_wgmma) for t in copies]
+        for (name, tile), m in itertools.product(peer_tiles.items(), ms):
+            if (name, m) not in failed:
+                variants[f"{name} M={m}"] = [wgmma_call(xs[m], t, tile or peer.TILES[peer.block_m(m)], outs[m],
+                                                        peer.gemm_nvfp4_wgmma) for t in copies]
         for name, m in itertools.product(tiles, ms):
             if (name, m) not in failed:
                 variants[f"{name} M={m}"] = [wgmma_call(xs[m], t, TILES[name], outs[m]) for t in copies]
@@ -155,7 +158,7 @@ def main() -> int:
         print(f"\n{shape} ({n} x {k}), floor {floor:.2f} us, {len(copies)} weight copies, {args.rounds} rounds")
         for v, ts in times.items():
             med = statistics.median(ts)
-            print(f"  {v:24s} {med:8.2f} us ({floor / med:5.1%} of copy bandwidth; "
+            print(f"  {v:28s} {med:8.2f} us ({floor / med:5.1%} of copy bandwidth; "
                   f"{min(ts):.2f}-{max(ts):.2f})")
         del copies
         torch.cuda.empty_cache()

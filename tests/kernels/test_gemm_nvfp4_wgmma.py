@@ -100,17 +100,44 @@ def test_tiles_it_cannot_run_are_refused():
     assert [block_m(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
 
 
-def test_wgmma_refuses_k_and_scales_it_cannot_copy():
+def test_wgmma_refuses_k_and_operands_its_tma_cannot_read():
+    """K off the kernel's multiple, and words or scales TMA cannot read (a start off a 16-byte boundary, rows
+    not 16-byte multiples apart): refused before the launch, naming the tensor and the fix; `out` untouched."""
     from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
-    x16 = torch.zeros(2, 768, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"K = 768.*a multiple of 512"):
-        gemm_nvfp4_wgmma(x16, torch.zeros(2, 1, dtype=torch.int32), torch.zeros(4, 96, dtype=torch.int32),
-                         torch.zeros(4, 48, dtype=torch.uint8), torch.ones(1), torch.empty(2, 4), False)
-    scales = torch.zeros(4 * 32 + 1, dtype=torch.uint8)[1:].view(4, 32)   # contiguous, one byte past a word
+    x16, exps = torch.zeros(2, 512, dtype=torch.float16), torch.zeros(2, 1, dtype=torch.int32)
+    words, scales = torch.zeros(4, 64, dtype=torch.int32), torch.zeros(4, 32, dtype=torch.uint8)
     out = torch.full((2, 4), 3.0)
-    with pytest.raises(ValueError, match=r"scales True at byte offset 1.*a 4-byte boundary"):
-        gemm_nvfp4_wgmma(torch.zeros(2, 512, dtype=torch.float16), torch.zeros(2, 1, dtype=torch.int32),
-                         torch.zeros(4, 64, dtype=torch.int32), scales, torch.ones(1), out, False)
+    with pytest.raises(ValueError, match=r"K = 768.*a multiple of 512"):
+        gemm_nvfp4_wgmma(torch.zeros(2, 768, dtype=torch.float16), exps, torch.zeros(4, 96, dtype=torch.int32),
+                         torch.zeros(4, 48, dtype=torch.uint8), torch.ones(1), out, False)
+    for off in (1, 4):                                                   # contiguous, `off` bytes past 16
+        bad = torch.zeros(4 * 32 + 16, dtype=torch.uint8)[off:off + 4 * 32].view(4, 32)
+        with pytest.raises(ValueError, match=rf"weight_scale starts {off} bytes past a 16-byte boundary.*"
+                                             r"weight_scale.clone\(\)"):
+            gemm_nvfp4_wgmma(x16, exps, words, bad, torch.ones(1), out, False)
+    wide = torch.zeros(4, 65, dtype=torch.int32)[:, :64]                # rows 260 bytes apart
+    with pytest.raises(ValueError, match=r"weight starts 0 bytes .* rows 260 bytes apart"):
+        gemm_nvfp4_wgmma(x16, exps, wide, scales, torch.ones(1), out, False)
+    assert bool((out == 3.0).all())
+
+
+def test_a_planned_wgmma_call_it_cannot_run_plans_again_without_it(monkeypatch):
+    """A planned call whose wgmma plan the kernel cannot take (here x on the CPU; on the GPU, a weight view TMA
+    cannot read) runs the plan made without it; unless x_pairs were made in the kernel's order, which is
+    refused with the reason, writing nothing."""
+    n, k, m = 64, 512, 4
+    x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=3)
+    planner = linear_nvfp4.default_plan
+    monkeypatch.setattr(linear_nvfp4, "default_plan", lambda x, n, k, split_k, wgmma=True: dataclasses.replace(
+        planner(x, n, k, split_k), wgmma=wgmma))
+    w = dequantize_nvfp4(weight, scale, scale_2)
+    out = linear_nvfp4_triton(x, weight, scale, scale_2)
+    assert_matches(out, (x.float() @ w.T).to(x.dtype), x.float().abs() @ w.abs().T, sum_rtol=F16_SUM_RTOL)
+    made = XPairs.empty(m, k, k, x.device, ORDER)
+    out = torch.full((m, n), 3.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x_pairs: made in the wgmma kernel's order \(256\), which cannot run "
+                                         r"here: x on cpu"):
+        linear_nvfp4_triton(x, weight, scale, scale_2, out=out, x_pairs=made)
     assert bool((out == 3.0).all())
 
 
@@ -224,3 +251,23 @@ def test_gpu_linear_runs_wgmma_on_lm_head_plans(m, monkeypatch):
         out = torch.full((m, n), float("nan"), dtype=x.dtype, device="cuda")
         linear_nvfp4_triton(x, weight, scale, scale_2, out=out)
         assert_matches(out, ref, abs_sum, sum_rtol=F16_SUM_RTOL if uses_f16_gemv(x, plan) else SUM_RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
+def test_gpu_a_weight_view_tma_cannot_read_runs_without_wgmma(monkeypatch):
+    """A weight 4 bytes past a 16-byte boundary (valid for the Triton kernels, not for TMA) on an LM-head plan
+    of 32 rows: the planned call runs without the wgmma kernel and matches; a forced wgmma plan is refused."""
+    monkeypatch.setattr(linear_nvfp4, "LM_HEAD_MIN_ELEMENTS", 0)
+    m, n, k = 32, 1024, 2048
+    x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=11, device="cuda")
+    shifted = torch.empty(weight.numel() + 16, dtype=torch.uint8, device="cuda")[4:4 + weight.numel()].view_as(weight)
+    shifted.copy_(weight)
+    plan = default_plan(x, n, k, False)
+    assert plan.wgmma
+    w = dequantize_nvfp4(weight, scale, scale_2)
+    out = torch.full((m, n), float("nan"), dtype=x.dtype, device="cuda")
+    linear_nvfp4_triton(x, shifted, scale, scale_2, out=out)
+    assert_matches(out, (x.float() @ w.T).to(x.dtype), x.float().abs() @ w.abs().T, sum_rtol=SUM_RTOL)
+    with pytest.raises(ValueError, match=r"plan: wgmma = True, but weight starts 4 bytes past a 16-byte boundary"):
+        linear_nvfp4_triton(x, shifted, scale, scale_2, plan=plan)
