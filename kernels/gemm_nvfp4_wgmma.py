@@ -44,18 +44,22 @@ def block_m(m: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class WgmmaTile:
     """One launch's tile: `bn` weight rows a program (16 a warp, 64 a warpgroup), K steps of `bk` (the K tile
-    of `dot_order`) through a ring of `stages` steps in shared memory, `stages` - 1 in flight."""
+    of `dot_order`) through a ring of `stages` steps in shared memory, `stages` - 1 in flight; each step
+    decoded and multiplied in `parts` (1 or 2) parts of bk / parts, each part's A operand alone in registers
+    (at 2: 75 registers a thread against 107, so 3 programs of 8 warps fit an SM, not 2)."""
     bn: int = 128
     bk: int = 256
     warps: int = 8
     stages: int = 3
+    parts: int = 1
 
     def __post_init__(self):
         if not (self.bn == 16 * self.warps and self.warps % 4 == 0 and self.bk % 256 == 0
-                and MIN_K_MULTIPLE % self.bk == 0 and self.stages >= 2):
+                and MIN_K_MULTIPLE % self.bk == 0 and self.stages >= 2 and self.parts in (1, 2)):
             raise ValueError(f"WgmmaTile: {self}; it takes whole warpgroups of 16 rows a warp (bn = 16 * warps, "
                              f"warps a multiple of 4), bk a multiple of 256 dividing {MIN_K_MULTIPLE} (each "
-                             "thread's words a row span whole 4-byte words of scales), and 2 stages or more")
+                             "thread's words a row span whole 4-byte words of scales), 2 stages or more and 1 or 2 "
+                             "parts")
 
 
 # K a multiple of this: whole K steps of every tile (bk 256 or 512), and rows of scales that are whole int32
@@ -75,8 +79,8 @@ MIN_K_MULTIPLE = 512
 #   against 84.9 / 167.9 and 80.6-84.7 / 162.9-164.9). With 2 steps the copies of step i + 1 run under step i's
 #   decode and wgmma; the deeper rings were no faster (twelfth run: rings of 3 to 6, eleventh: (128, 128, 8)
 #   tiles and loading one step ahead into registers).
-TILES = {8: WgmmaTile(bn=64, warps=4, stages=3), 16: WgmmaTile(bn=64, warps=4, stages=2),
-         32: WgmmaTile(stages=2)}
+TILES = {8: WgmmaTile(bn=64, warps=4, stages=3), 16: WgmmaTile(bn=64, warps=4, stages=2, parts=2),
+         32: WgmmaTile(stages=2, parts=2)}
 ORDER = 256                # the `XPairs.order` (the K tile of `dot_order`) the kernel reads x in: every tile's bk
 assert all(t.bk == ORDER for t in TILES.values())
 
@@ -97,28 +101,31 @@ def dot_order(k: int, bk: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def layouts(bn: int, bk: int, warps: int, bm: int) -> dict:
-    """The kernel's layouts for tiles of bn weight rows (64 a warpgroup), bk of K (a multiple of 256) and bm
-    rows of x: the registers' (words and scale words as each thread decodes them, the accumulator and the A
-    operand) and the ring's, which TMA fills (x swizzled for the wgmma; words swizzled in 16-byte groups, so
-    that the 8 lanes of each phase of a read-back hit 8 different groups of banks; scales plain)."""
+def layouts(bn: int, bk: int, warps: int, bm: int, parts: int = 1) -> dict:
+    """The kernel's layouts for tiles of bn weight rows (64 a warpgroup), bk of K (a multiple of 256), bm rows
+    of x and K steps in `parts` parts: the registers' (words and scale words as each thread reads them, a
+    part's words, the accumulator and the A operand)."""
     wg = warps // 4
-    assert bn == 64 * wg and bk % 256 == 0 and bm in (8, 16, 32), (bn, bk, warps, bm)
+    assert bn == 64 * wg and bk % 256 == 0 and bm in (8, 16, 32) and parts in (1, 2), (bn, bk, warps, bm, parts)
     per = bk // 32                                                   # words a row a thread
     lg = lambda v: v.bit_length() - 1                                # noqa: E731
     rows_w = [[16 << i, 0] for i in range(2 + lg(wg))]
-    # the words [bn, bk/8]: lane 4r + c of warp w holds rows 16w + r and + 8, words per*c .. per*c + per - 1
-    words = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1 << i] for i in range(lg(per))] + [[8, 0]],
-        lane_bases=[[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
-        shape=[bn, bk // 8])
+
+    def words_of(per):
+        # the words [bn, 4 per]: lane 4r + c of warp w holds rows 16w + r and + 8, words per*c .. per*c + per - 1
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1 << i] for i in range(lg(per))] + [[8, 0]],
+            lane_bases=[[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
+            shape=[bn, 4 * per])
+    words = words_of(per)
     # the scales as int32 words of 4 blocks [bn, bk/64]: the same thread holds its words' blocks
     scales = gl.DistributedLinearLayout(
         reg_bases=[[0, 1 << i] for i in range(lg(per // 8))] + [[8, 0]],
         lane_bases=[[0, per // 8], [0, per // 4], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
         shape=[bn, bk // 64])
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bm, 16])
-    return dict(WORDS=words, SCALES=scales, ACC=acc, A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2))
+    return dict(WORDS=words, PART_WORDS=words_of(per // parts), SCALES=scales, ACC=acc,
+                A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2))
 
 
 # The ring's layouts (the TMA descriptors'). Words: 128-byte rows at BK = 256, their 16-byte groups XOR-swizzled by
@@ -146,15 +153,30 @@ _E4M3X4_F16X2_PAIRS_PTX = gl.constexpr("""{
 
 
 @gluon.jit
-def _decode(wv, s32, BN: gl.constexpr, BK: gl.constexpr, WORDS: gl.constexpr, A_OP: gl.constexpr):
-    """words [BN, BK/8] (WORDS) and scale words [BN, BK/64] (SCALES) -> the A operand [BN, BK] fp16: E2M1 *
-    2^-6 * scale, exact, in `dot_order`."""
+def _word_scales(s32, BN: gl.constexpr, BK: gl.constexpr, WORDS: gl.constexpr):
+    """Scale words [BN, BK/64] (SCALES) -> each word's block scale as an fp16 pair [BN, BK/8] (WORDS)."""
     s0, s1, s2, s3 = gl.inline_asm_elementwise(
         asm=_E4M3X4_F16X2_PAIRS_PTX, constraints="=r,=r,=r,=r,r", args=[s32], dtype=(gl.int32,) * 4,
         is_pure=True, pack=1)
     sw = gl.join(gl.join(s0, s2), gl.join(s1, s3))                    # [BN, BK/64, 2, 2]: block 2 i + j
     sw = gl.reshape(gl.join(sw, sw), [BN, BK // 8])                   # word 8 q + 2 block + dup: its block
-    sw = gl.convert_layout(sw, WORDS, assert_trivial=True)
+    return gl.convert_layout(sw, WORDS, assert_trivial=True)
+
+
+@gluon.jit
+def _halves(v, BN: gl.constexpr, BK: gl.constexpr, PART_WORDS: gl.constexpr):
+    """[BN, BK/8] per word (WORDS) -> the words of each half of the K step's dot positions, [BN, BK/16] each
+    (PART_WORDS): thread c's words per * c + b, b under per / 2 and then the rest (registers only)."""
+    h = gl.permute(gl.reshape(v, [BN, 4, 2, BK // 64]), (0, 1, 3, 2))    # [n, c, b', half]
+    h0, h1 = gl.split(h)
+    return (gl.convert_layout(gl.reshape(h0, [BN, BK // 16]), PART_WORDS, assert_trivial=True),
+            gl.convert_layout(gl.reshape(h1, [BN, BK // 16]), PART_WORDS, assert_trivial=True))
+
+
+@gluon.jit
+def _decode(wv, sw, BN: gl.constexpr, BK: gl.constexpr, WORDS: gl.constexpr, A_OP: gl.constexpr):
+    """words [BN, BK/8] and their block scales as fp16 pairs (both WORDS) -> the A operand [BN, BK] fp16: E2M1 *
+    2^-6 * scale, exact, in `dot_order` of a K tile of BK."""
     o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
         asm=_E2M1X8_F16_SCALED_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[wv, sw],
         dtype=(gl.float16,) * 8, is_pure=True, pack=1)
@@ -181,8 +203,8 @@ def _ring_issue(w_desc, s_desc, x_desc, bar, w_sm, s_sm, x_sm, row, kk, pred, X:
 @gluon.jit
 def _gemm_nvfp4_wgmma_kernel(x_desc, exp_ptr, w_desc, s_desc, s2_ptr, out_ptr, M, N, K, stride_om, stride_on,
                              BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr, WORDS: gl.constexpr,
-                             SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr, STAGES: gl.constexpr,
-                             PDL: gl.constexpr):
+                             PART_WORDS: gl.constexpr, SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr,
+                             STAGES: gl.constexpr, PARTS: gl.constexpr, PDL: gl.constexpr):
     """out [M, N] = x @ w^T for M <= BM, read through TMA descriptors: x_desc of x's pass's fp16 [M, K] in
     `dot_order` (times 2^exp[m], one K slice; blocks [BM, BK]), w_desc of the words [N, K/8] (int32; blocks
     [BN, BK/8]), s_desc of the scale bytes as int32 words of 4 blocks [N, K/64] (blocks [BN, BK/64]); K a
@@ -217,8 +239,17 @@ def _gemm_nvfp4_wgmma_kernel(x_desc, exp_ptr, w_desc, s_desc, s2_ptr, out_ptr, M
         nxt = (i + STAGES - 1) % STAGES
         _ring_issue(w_desc, s_desc, x_desc, bars.index(nxt), w_sm.index(nxt), s_sm.index(nxt), x_sm.index(nxt),
                     row, (i + STAGES - 1) * BK, i + STAGES - 1 < nk)
-        a = _decode(w_sm.index(cur).load(WORDS), s_sm.index(cur).load(SCALES), BN, BK, WORDS, A_OP)
-        acc = hopper.warpgroup_mma(a, x_sm.index(cur).permute((1, 0)), acc)
+        wv = w_sm.index(cur).load(WORDS)
+        sw = _word_scales(s_sm.index(cur).load(SCALES), BN, BK, WORDS)
+        if PARTS == 1:
+            acc = hopper.warpgroup_mma(_decode(wv, sw, BN, BK, WORDS, A_OP), x_sm.index(cur).permute((1, 0)), acc)
+        else:                       # each half's fragment decoded after the last one's wgmma: half the registers
+            w0, w1 = _halves(wv, BN, BK, PART_WORDS)
+            s0, s1 = _halves(sw, BN, BK, PART_WORDS)
+            acc = hopper.warpgroup_mma(_decode(w0, s0, BN, BK // 2, PART_WORDS, A_OP),
+                                       x_sm.index(cur).slice(0, BK // 2, dim=1).permute((1, 0)), acc)
+            acc = hopper.warpgroup_mma(_decode(w1, s1, BN, BK // 2, PART_WORDS, A_OP),
+                                       x_sm.index(cur).slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc)
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(j))
     on = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
@@ -263,5 +294,5 @@ def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor,
         TensorDescriptor.from_tensor(x16, [bm, tile.bk], X_SMEM), exps,
         TensorDescriptor.from_tensor(words, [tile.bn, tile.bk // 8], W_SMEM),
         TensorDescriptor.from_tensor(s32, [tile.bn, tile.bk // 64], S_SMEM), scale_2, out, m, n, k,
-        out.stride(0), out.stride(1), BN=tile.bn, BK=tile.bk, BM=bm, STAGES=tile.stages, PDL=pdl,
-        num_warps=tile.warps, launch_pdl=pdl, **layouts(tile.bn, tile.bk, tile.warps, bm))
+        out.stride(0), out.stride(1), BN=tile.bn, BK=tile.bk, BM=bm, STAGES=tile.stages, PARTS=tile.parts, PDL=pdl,
+        num_warps=tile.warps, launch_pdl=pdl, **layouts(tile.bn, tile.bk, tile.warps, bm, tile.parts))

@@ -15,6 +15,7 @@ x's pairs from x's own pass with --x-pass (and, as on the H200, launched beside 
     python3 scripts/sass_stats.py nvfp4-gemv --tile 8,64,256 --stages 2        (the GEMV of 8 rows)
     python3 scripts/sass_stats.py nvfp4-wgmma     (the Gluon kernel of M = 2-32 on the LM heads, its tile of 32 rows)
     python3 scripts/sass_stats.py nvfp4-wgmma --tile 8,64,256 --stages 3          (its tile of 8 rows)
+    python3 scripts/sass_stats.py nvfp4-wgmma --tile 16,64,256 --stages 2 --parts 2 (its tile of 16 rows)
     python3 scripts/sass_stats.py {bf16,fp8}-{gemv,gemm} ...  [--warps 4] [--stages 3] [--sass out.sass]
 """
 
@@ -52,7 +53,7 @@ def _signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
     return {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
 
 
-def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass: bool = False):
+def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass: bool = False, parts: int = 1):
     """(jit function, argument types, constexprs) of a preset (the NVFP4 dot kernel loads `stages` - 1 K steps
     ahead itself and compiles with Triton's pipelining off, as its launcher does)."""
     fmt, kind = name.split("-")
@@ -63,7 +64,8 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
                 {"x_desc": desc(torch.float16, [bm, bk], wgmma.X_SMEM), "exp_ptr": "*i32",
                  "w_desc": desc(torch.int32, [bn, bk // 8], wgmma.W_SMEM),
                  "s_desc": desc(torch.int32, [bn, bk // 64], wgmma.S_SMEM), "s2_ptr": "*fp32", "out_ptr": "*bf16"},
-                dict(wgmma.layouts(bn, bk, bn // 16, bm), BN=bn, BK=bk, BM=bm, STAGES=stages, PDL=True))
+                dict(wgmma.layouts(bn, bk, bn // 16, bm, parts), BN=bn, BK=bk, BM=bm, STAGES=stages, PARTS=parts,
+                     PDL=True))
     dot = kind == "gemm"
     if fmt == "nvfp4":
         types = {"x_ptr": "*bf16", "pairs_ptr": "*i32", "exp_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8",
@@ -154,6 +156,8 @@ def main() -> int:
                     help="nvfp4-gemv: x paired by its own pass (`uses_x_pass`: the LM heads), not in the K loop; "
                          "fp8-gemm: x in fp16 from its own pass (`F16_DOT_MIN_ELEMENTS`), the dot in fp16; "
                          "nvfp4-gemm: the fp16 dot on x's pass's pairs (`uses_f16_dot`), not the bf16 one")
+    ap.add_argument("--parts", type=int, default=None, help="nvfp4-wgmma: the K step in 1 or 2 parts (default: "
+                    "the module's tile of 32 rows' without --tile, else 1)")
     ap.add_argument("--sass", default=None, help="also write the whole disassembly here")
     args = ap.parse_args()
     dot = args.kernel.endswith("gemm") or args.kernel.endswith("wgmma")
@@ -162,10 +166,11 @@ def main() -> int:
         t = wgmma.TILES[32]
         bm, bn, bk = (int(v) for v in args.tile.split(",")) if args.tile else (32, t.bn, t.bk)
         args.warps, args.stages = bn // 16, args.stages if args.tile else t.stages
+        args.parts = args.parts or (1 if args.tile else t.parts)
     if (args.kernel != "nvfp4-wgmma" and dot != (bm >= 16)) or (bm > 1 and not dot and args.kernel != "nvfp4-gemv"):
         ap.error(f"--tile {bm},{bn},{bk}: a gemm tile has BLOCK_M 16 or 32, a gemv tile BLOCK_M 1 (nvfp4-gemv: "
                  "up to 8, the GEMV of several rows)")
-    fn, types, constexprs = kernel(args.kernel, bm, bn, bk, args.swap, args.stages, args.x_pass)
+    fn, types, constexprs = kernel(args.kernel, bm, bn, bk, args.swap, args.stages, args.x_pass, args.parts or 1)
     stages = 1 if "AHEAD" in constexprs or "STAGES" in constexprs else args.stages
     sass, regs, spills = compile_sass(fn, types, constexprs, args.warps, stages)
     if args.sass:
@@ -175,7 +180,8 @@ def main() -> int:
     per_thread = bn * bk / (32 * args.warps)                         # weight elements per thread per iteration
     hist = collections.Counter(op for op, _ in body)
     stores = collections.Counter(op + mods for op, mods in body if op in ("STS", "STSM"))
-    print(f"{args.kernel} tile {bm}x{bn}x{bk} warps {args.warps} stages {args.stages}{' swap' if args.swap else ''}: "
+    print(f"{args.kernel} tile {bm}x{bn}x{bk} warps {args.warps} stages {args.stages}{' swap' if args.swap else ''}"
+          f"{f' parts {args.parts}' if args.parts else ''}: "
           f"{len(body)} instructions a K step, {len(body) / per_thread:.2f} per weight element and thread; "
           f"{regs} registers, {spills} bytes of local memory")
     print("  " + ", ".join(f"{op} {n}" for op, n in hist.most_common(14)))

@@ -97,6 +97,8 @@ def test_tiles_it_cannot_run_are_refused():
         WgmmaTile(bn=32, warps=2)
     with pytest.raises(ValueError, match=r"2 stages or more"):
         WgmmaTile(stages=1)
+    with pytest.raises(ValueError, match=r"1 or 2 parts"):
+        WgmmaTile(parts=4)
     assert [block_m(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
 
 
@@ -214,7 +216,8 @@ def test_gpu_wgmma_matches_reference(m, n, k, out_dtype):
 
 
 _TILES = {"one-warpgroup": WgmmaTile(bn=64, warps=4, stages=4), "four-warpgroups": WgmmaTile(bn=256, warps=16),
-          "ring-of-3": WgmmaTile(stages=3)}
+          "ring-of-3": WgmmaTile(stages=3), "one-part-ring-of-2": WgmmaTile(stages=2),
+          "two-parts-one-warpgroup": WgmmaTile(bn=64, warps=4, stages=3, parts=2)}
 
 
 @pytest.mark.gpu
@@ -223,8 +226,9 @@ _TILES = {"one-warpgroup": WgmmaTile(bn=64, warps=4, stages=4), "four-warpgroups
 @pytest.mark.parametrize("m", [5, 16, 32])
 @pytest.mark.parametrize("n,k", [(1000, 1536), (129, 2048)])
 def test_gpu_wgmma_tiles_match_reference(tile, m, n, k):
-    """Tiles of one and four warpgroups a program and rings deeper than the planner's 2 steps (4, 3), at 8, 16
-    and 32 rows a program; fp32 out, poisoned."""
+    """Tiles of one and four warpgroups a program, rings deeper than the planner's 2 steps (4, 3), and K steps
+    in one part and in two where the planner runs the other, at 8, 16 and 32 rows a program; fp32 out,
+    poisoned."""
     x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=m + n + 7, device="cuda")
     out = run_wgmma(x, weight, scale, scale_2, torch.float32, _TILES[tile])
     w = dequantize_nvfp4(weight, scale, scale_2)
