@@ -65,20 +65,18 @@ class WgmmaTile:
 # K a multiple of this: whole K steps of every tile (bk 256 or 512), and rows of scales that are whole int32
 # words of 4 blocks (K / 64 of them)
 MIN_K_MULTIPLE = 512
-# The tile by rows of x a program (`block_m`). H200, each tile against the others in one process, the median of
-# alternating rounds (microseconds, 151936 x 2048 / 154880 x 4096; BENCHMARKS.md):
+# The tile by rows of x a program (`block_m`). H200, tiles against each other in one process, the median of
+# alternating rounds (microseconds, 151936 x 2048 / 154880 x 4096; BENCHMARKS.md, fourteenth run):
 # - 8 rows: 64 weight rows a program (one warpgroup), K steps of 256, 4 warps, a ring of 3 steps (39 KB of shared
-#   memory). Thirteenth run, 5 rounds: 56.4 / 111.8, against 61.9 / 118.9 for a ring of 2 and 59.5-64.3 /
-#   120.3-131.8 for 128 rows (twelfth: M = 2, 4, 8 57.2, 57.4, 61.2 / 120.8, 125.2, 127.4 against a ring of 4's
-#   62.1, 61.5, 63.4 / 119.2, 120.1, 128.1).
-# - 16 rows: the same warpgroup in a ring of 2 steps (34 KB). Thirteenth run, 3 and 5 rounds: 63.7, 67.7 / 130.1,
-#   128.8, against 66.2, 66.9 / 138.5, 134.5 for a ring of 3 and 68.1-70.2 / 134.8-148.2 for 128 rows.
-# - 32 rows: 128 weight rows a program (two warpgroups sharing x), K steps of 256, 8 warps, a ring of 2 steps
-#   (68 KB; registers hold it to 2 programs an SM). Thirteenth run, 5 rounds: 82.7 / 157.8, against 87.1 / 183.8
-#   for a ring of 3 and 83.3-85.3 / 159.9-168.2 for one warpgroup in rings of 2 and 3 (3 rounds: 81.6 / 164.1
-#   against 84.9 / 167.9 and 80.6-84.7 / 162.9-164.9). With 2 steps the copies of step i + 1 run under step i's
-#   decode and wgmma; the deeper rings were no faster (twelfth run: rings of 3 to 6, eleventh: (128, 128, 8)
-#   tiles and loading one step ahead into registers).
+#   memory), one part: 51.0 / 102.2 against 52.1 / 101.9 for a ring of 2 and 56.7 / 112.5 for 128 rows (AH);
+#   51.3 / 102.6 against 52.6 / 104.3 in two parts (AK).
+# - 16 rows: the same warpgroup in a ring of 2 steps (34 KB), two parts: 57.9 / 121.9 against 60.2 / 124.3 in one
+#   part, 62.1 / 124.9 for a ring of 3 and 66.5 / 137.5 for 128 rows (AL).
+# - 32 rows: 128 weight rows a program (two warpgroups sharing x), 8 warps, a ring of 2 steps (68 KB), two parts:
+#   74 registers, so 3 programs an SM (one part: 107, 2 programs). 69.95 / 142.4 against 75.4 / 158.6 in one part
+#   and 79.0 / 159.5 for a ring of 3 (2 programs an SM, by shared memory) (AL); 67.1 / 135.6 against 75.8 / 148.7
+#   for one warpgroup (AK). Deeper rings lost in every run since the eleventh: more warps an SM beat more steps in
+#   flight.
 TILES = {8: WgmmaTile(bn=64, warps=4, stages=3), 16: WgmmaTile(bn=64, warps=4, stages=2, parts=2),
          32: WgmmaTile(stages=2, parts=2)}
 ORDER = 256                # the `XPairs.order` (the K tile of `dot_order`) the kernel reads x in: every tile's bk
