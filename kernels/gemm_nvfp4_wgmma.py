@@ -46,7 +46,7 @@ class WgmmaTile:
     """One launch's tile: `bn` weight rows a program (16 a warp, 64 a warpgroup), K steps of `bk` (the K tile
     of `dot_order`) through a ring of `stages` steps in shared memory, `stages` - 1 in flight; each step
     decoded and multiplied in `parts` (1 or 2) parts of bk / parts, each part's A operand alone in registers
-    (at 2: 75 registers a thread against 107, so 3 programs of 8 warps fit an SM, not 2)."""
+    (at 2: 74 registers a thread against 107, so 3 programs of 8 warps fit an SM, not 2)."""
     bn: int = 128
     bk: int = 256
     warps: int = 8
@@ -68,14 +68,14 @@ MIN_K_MULTIPLE = 512
 # The tile by rows of x a program (`block_m`). H200, tiles against each other in one process, the median of
 # alternating rounds (microseconds, 151936 x 2048 / 154880 x 4096; BENCHMARKS.md, fourteenth run):
 # - 8 rows: 64 weight rows a program (one warpgroup), K steps of 256, 4 warps, a ring of 3 steps (39 KB of shared
-#   memory), one part: 51.0 / 102.2 against 52.1 / 101.9 for a ring of 2 and 56.7 / 112.5 for 128 rows (AH);
-#   51.3 / 102.6 against 52.6 / 104.3 in two parts (AK).
+#   memory), one part: 51.0 / 102.2 against 52.1 / 101.9 for a ring of 2 and 56.7 / 112.5 for 128 rows (AI);
+#   51.3 / 102.6 against 52.6 / 104.3 in two parts (AL).
 # - 16 rows: the same warpgroup in a ring of 2 steps (34 KB), two parts: 57.9 / 121.9 against 60.2 / 124.3 in one
-#   part, 62.1 / 124.9 for a ring of 3 and 66.5 / 137.5 for 128 rows (AL).
+#   part, 62.1 / 124.9 for a ring of 3 and 66.5 / 137.5 for 128 rows (AM).
 # - 32 rows: 128 weight rows a program (two warpgroups sharing x), 8 warps, a ring of 2 steps (68 KB), two parts:
 #   74 registers, so 3 programs an SM (one part: 107, 2 programs). 69.95 / 142.4 against 75.4 / 158.6 in one part
-#   and 79.0 / 159.5 for a ring of 3 (2 programs an SM, by shared memory) (AL); 67.1 / 135.6 against 75.8 / 148.7
-#   for one warpgroup (AK). Deeper rings lost in every run since the eleventh: more warps an SM beat more steps in
+#   and 79.0 / 159.5 for a ring of 3 (2 programs an SM, by shared memory) (AM); 67.1 / 135.6 against 75.8 / 148.7
+#   for one warpgroup (AL). Deeper rings lost in every run since the eleventh: more warps an SM beat more steps in
 #   flight.
 TILES = {8: WgmmaTile(bn=64, warps=4, stages=3), 16: WgmmaTile(bn=64, warps=4, stages=2, parts=2),
          32: WgmmaTile(stages=2, parts=2)}
@@ -275,14 +275,16 @@ def operand_refusal(words: torch.Tensor, scale_bits: torch.Tensor) -> str | None
 
 def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor, scale_bits: torch.Tensor,
                      scale_2: torch.Tensor, out: torch.Tensor, pdl: bool, tile: WgmmaTile | None = None) -> None:
-    """Launch: x16 [M, K] fp16 in `dot_order(K, tile.bk)`, M <= 32, contiguous; exps [M, 1]; words [N, K/8]
-    int32; scale_bits [N, K/16] uint8; scale_2 [1] fp32; out [M, N]; K a multiple of MIN_K_MULTIPLE; words and
-    scales as TMA reads them (`operand_refusal`). `tile`: `TILES[block_m(M)]` unless given (sweeps)."""
+    """Launch: x16 [M, K] fp16 in `dot_order(K, tile.bk)`, M <= 32, contiguous from a 16-byte boundary (TMA
+    reads it); exps [M, 1]; words [N, K/8] int32; scale_bits [N, K/16] uint8; scale_2 [1] fp32; out [M, N]; K a
+    multiple of MIN_K_MULTIPLE; words and scales as TMA reads them (`operand_refusal`). `tile`:
+    `TILES[block_m(M)]` unless given (sweeps)."""
     m, k = x16.shape
     n = words.shape[0]
-    why = (f"M = {m}, K = {k}, x contiguous {x16.is_contiguous()}: it takes M <= {max(TILES)}, K a multiple of "
-           f"{MIN_K_MULTIPLE} and contiguous x" if k % MIN_K_MULTIPLE or m > max(TILES) or not x16.is_contiguous()
-           else operand_refusal(words, scale_bits))
+    x_ok = x16.is_contiguous() and x16.data_ptr() % 16 == 0
+    why = (f"M = {m}, K = {k}, x contiguous {x16.is_contiguous()} at {x16.data_ptr() % 16} bytes past a 16-byte "
+           f"boundary: it takes M <= {max(TILES)}, K a multiple of {MIN_K_MULTIPLE} and contiguous, 16-byte aligned "
+           "x" if k % MIN_K_MULTIPLE or m > max(TILES) or not x_ok else operand_refusal(words, scale_bits))
     if why:
         raise ValueError(f"gemm_nvfp4_wgmma: {why}; run it where `GemvPlan.wgmma` is planned")
     bm = block_m(m)

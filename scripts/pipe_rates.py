@@ -39,8 +39,8 @@ OPS = {
 # the four fp16 pairs of a word folded back into one register (two fma.f16x2), so that nothing is dead
 _FOLD = "\n    fma.rn.f16x2 h0, h0, h1, h2;\n    fma.rn.f16x2 $0, h0, h3, $1;\n}"
 # the decode of one word as the kernels run it (6 bit operations, 4 conversions), times a scale pair ($2)
-DECODE = ("{\n    .reg .b32 v, a, b, e, o, h0, h1, h2, h3;\n    .reg .b16 l0, l1, l2, l3;" + _e2m1_word_f16x2_ptx("$1", _H)
-          + "".join(f"\n    mul.rn.f16x2 h{i}, h{i}, $2;" for i in range(4)) + _FOLD)
+DECODE = ("{\n    .reg .b32 v, a, b, e, o, h0, h1, h2, h3;\n    .reg .b16 l0, l1, l2, l3;"
+          + _e2m1_word_f16x2_ptx("$1", _H) + "".join(f"\n    mul.rn.f16x2 h{i}, h{i}, $2;" for i in range(4)) + _FOLD)
 # the cost of a decode with no conversions at its floor: each fp16 pair needs its 8 bits moved into place and
 # masked, so at least 3 moves and 4 masks a word (one pair can be in place already). It times that count only:
 # no layout makes these exact rotates a decode (fp16 puts the sign 6 bits above a code's magnitude, and those

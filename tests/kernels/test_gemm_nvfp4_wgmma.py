@@ -128,7 +128,7 @@ def test_two_part_tiles_keep_the_registers_that_fit_more_programs(bm):
 
 
 def test_wgmma_refuses_k_and_operands_its_tma_cannot_read():
-    """K off the kernel's multiple, and words or scales TMA cannot read (a start off a 16-byte boundary, rows
+    """K off the kernel's multiple, and x, words or scales TMA cannot read (a start off a 16-byte boundary, rows
     not 16-byte multiples apart): refused before the launch, naming the tensor and the fix; `out` untouched."""
     from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
     x16, exps = torch.zeros(2, 512, dtype=torch.float16), torch.zeros(2, 1, dtype=torch.int32)
@@ -142,6 +142,9 @@ def test_wgmma_refuses_k_and_operands_its_tma_cannot_read():
         with pytest.raises(ValueError, match=rf"weight_scale starts {off} bytes past a 16-byte boundary.*"
                                              r"weight_scale.clone\(\)"):
             gemm_nvfp4_wgmma(x16, exps, words, bad, torch.ones(1), out, False)
+    shifted_x = torch.zeros(2 * 512 + 8, dtype=torch.float16)[1:1 + 2 * 512].view(2, 512)   # 2 bytes past 16
+    with pytest.raises(ValueError, match=r"x contiguous True at 2 bytes past a 16-byte boundary"):
+        gemm_nvfp4_wgmma(shifted_x, exps, words, scales, torch.ones(1), out, False)
     wide = torch.zeros(4, 65, dtype=torch.int32)[:, :64]                # rows 260 bytes apart
     with pytest.raises(ValueError, match=r"weight starts 0 bytes .* rows 260 bytes apart"):
         gemm_nvfp4_wgmma(x16, exps, wide, scales, torch.ones(1), out, False)
