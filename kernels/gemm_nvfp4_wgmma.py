@@ -34,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_wait
 
-from mtpfactory.kernels.linear_nvfp4 import _E2M1X8_F16_SCALED_PTX
+from mtpfactory.kernels.linear import tma_layout_refusal
+from mtpfactory.kernels.linear_nvfp4 import _E2M1X8_F16_SCALED_PTX, wgmma_operand_refusal
 
 def block_m(m: int) -> int:
     """Rows of x a program for M rows (the wgmma N: 8, 16 or 32; rows past M are zero-filled)."""
@@ -260,31 +261,16 @@ def _gemm_nvfp4_wgmma_kernel(x_desc, exp_ptr, w_desc, s_desc, s2_ptr, out_ptr, M
              mask=(om < M)[None, :] & (on < N)[:, None])
 
 
-def operand_refusal(words: torch.Tensor, scale_bits: torch.Tensor) -> str | None:
-    """Why the kernel's TMA cannot read these words [N, K/8] (int32) and scale bytes [N, K/16] (uint8), or None:
-    each must start on a 16-byte boundary, its elements along K adjacent and its rows 16-byte multiples apart."""
-    for name, t in (("weight", words), ("weight_scale", scale_bits)):
-        row_bytes = t.stride(0) * t.element_size()
-        if t.stride(1) != 1 or t.data_ptr() % 16 or row_bytes % 16:
-            return (f"{name} starts {t.data_ptr() % 16} bytes past a 16-byte boundary with rows {row_bytes} bytes "
-                    f"apart and stride {t.stride(1)} along K; the kernel's TMA reads it from a 16-byte aligned "
-                    "start, rows a multiple of 16 bytes apart and K adjacent (pass a contiguous copy, "
-                    f"{name}.clone())")
-    return None
-
-
 def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor, scale_bits: torch.Tensor,
                      scale_2: torch.Tensor, out: torch.Tensor, pdl: bool, tile: WgmmaTile | None = None) -> None:
-    """Launch: x16 [M, K] fp16 in `dot_order(K, tile.bk)`, M <= 32, contiguous from a 16-byte boundary (TMA
-    reads it); exps [M, 1]; words [N, K/8] int32; scale_bits [N, K/16] uint8; scale_2 [1] fp32; out [M, N]; K a
-    multiple of MIN_K_MULTIPLE; words and scales as TMA reads them (`operand_refusal`). `tile`:
-    `TILES[block_m(M)]` unless given (sweeps)."""
+    """Launch: x16 [M, K] fp16 in `dot_order(K, tile.bk)`, M <= 32; exps [M, 1]; words [N, K/8] int32;
+    scale_bits [N, K/16] uint8; scale_2 [1] fp32; out [M, N]; K a multiple of MIN_K_MULTIPLE; x, words and
+    scales as TMA reads them (`tma_layout_refusal`). `tile`: `TILES[block_m(M)]` unless given (sweeps)."""
     m, k = x16.shape
     n = words.shape[0]
-    x_ok = x16.is_contiguous() and x16.data_ptr() % 16 == 0
-    why = (f"M = {m}, K = {k}, x contiguous {x16.is_contiguous()} at {x16.data_ptr() % 16} bytes past a 16-byte "
-           f"boundary: it takes M <= {max(TILES)}, K a multiple of {MIN_K_MULTIPLE} and contiguous, 16-byte aligned "
-           "x" if k % MIN_K_MULTIPLE or m > max(TILES) or not x_ok else operand_refusal(words, scale_bits))
+    why = (f"M = {m}, K = {k}: it takes M <= {max(TILES)} and K a multiple of {MIN_K_MULTIPLE}"
+           if k % MIN_K_MULTIPLE or m > max(TILES)
+           else tma_layout_refusal("x", x16) or wgmma_operand_refusal(words, scale_bits))
     if why:
         raise ValueError(f"gemm_nvfp4_wgmma: {why}; run it where `GemvPlan.wgmma` is planned")
     bm = block_m(m)

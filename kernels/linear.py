@@ -429,10 +429,17 @@ def tma_refusal(x: torch.Tensor, weight: torch.Tensor, scaled: bool) -> str | No
         return f"M = {m}: it takes 2 to {MAX_M} rows"
     if x.is_cuda and not _has_pdl(x.device):                        # TMA came with PDL, in sm_90
         return f"x on {x.device}, capability {torch.cuda.get_device_capability(x.device)}: it needs TMA (sm_90 on)"
-    for name, t in (("x", x), ("weight", weight)):
-        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return (f"{name} has strides {t.stride()} and starts {t.data_ptr() % 16} bytes past a 16-byte "
-                    "boundary: TMA takes unit stride along K, rows a multiple of 16 bytes apart and aligned starts")
+    return tma_layout_refusal("x", x) or tma_layout_refusal("weight", weight)
+
+
+def tma_layout_refusal(name: str, t: torch.Tensor) -> str | None:
+    """Why TMA cannot read the matrix `t` [rows, K] (named `name` in the reason), or None: it reads from a
+    16-byte aligned start, rows a multiple of 16 bytes apart, unit stride along K (the TMA kernels' rule)."""
+    row_bytes = t.stride(0) * t.element_size()
+    if t.stride(1) != 1 or row_bytes % 16 or t.data_ptr() % 16:
+        return (f"{name} starts {t.data_ptr() % 16} bytes past a 16-byte boundary, with strides {t.stride()} (rows "
+                f"{row_bytes} bytes apart): TMA reads from a 16-byte aligned start, rows a multiple of 16 bytes "
+                f"apart and unit stride along K; pass {name}.clone()")
     return None
 
 

@@ -73,6 +73,7 @@ from mtpfactory.kernels.linear import (
     splitk_reduce,
     store_tile,
     supports_small_m,
+    tma_layout_refusal,
     x_exponent,
     x_pass_pdl,
     x_scan_block,
@@ -997,8 +998,13 @@ def wgmma_refusal(x: torch.Tensor, k: int, plan: GemvPlan, words: torch.Tensor, 
         return f"x on {x.device}: the kernel needs an sm_90 GPU"
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"x is {x.dtype}: the kernel takes bf16 or fp16 x"
-    from mtpfactory.kernels.gemm_nvfp4_wgmma import operand_refusal
-    return _wgmma_shape_refusal(x.shape[0], k, plan.splits) or operand_refusal(words, scale_bits)
+    return _wgmma_shape_refusal(x.shape[0], k, plan.splits) or wgmma_operand_refusal(words, scale_bits)
+
+
+def wgmma_operand_refusal(words: torch.Tensor, scale_bits: torch.Tensor) -> str | None:
+    """Why the Gluon kernel's TMA cannot read these words [N, K/8] (int32) and scale bytes [N, K/16] (uint8),
+    or None (`tma_layout_refusal`'s rule)."""
+    return tma_layout_refusal("weight", words) or tma_layout_refusal("weight_scale", scale_bits)
 
 
 def _wgmma_shape_refusal(m: int, k: int, splits: int) -> str | None:
@@ -1088,8 +1094,8 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     given = plan is not None
     if not given:
-        plan = default_plan(x, n, k, split_k)
-        if plan.wgmma and (why := wgmma_refusal(x, k, plan, words, scale_bits)):
+        plan = default_plan(x, n, k, split_k)                        # wgmma only where x and the shapes allow
+        if plan.wgmma and (why := wgmma_operand_refusal(words, scale_bits)):
             if x_pairs is not None and x_pairs.order:
                 raise ValueError(f"x_pairs: made in the wgmma kernel's order ({x_pairs.order}), which cannot run "
                                  f"here: {why}")

@@ -143,31 +143,33 @@ def test_wgmma_refuses_k_and_operands_its_tma_cannot_read():
                                              r"weight_scale.clone\(\)"):
             gemm_nvfp4_wgmma(x16, exps, words, bad, torch.ones(1), out, False)
     shifted_x = torch.zeros(2 * 512 + 8, dtype=torch.float16)[1:1 + 2 * 512].view(2, 512)   # 2 bytes past 16
-    with pytest.raises(ValueError, match=r"x contiguous True at 2 bytes past a 16-byte boundary"):
+    with pytest.raises(ValueError, match=r"x starts 2 bytes past a 16-byte boundary.*x.clone\(\)"):
         gemm_nvfp4_wgmma(shifted_x, exps, words, scales, torch.ones(1), out, False)
     wide = torch.zeros(4, 65, dtype=torch.int32)[:, :64]                # rows 260 bytes apart
-    with pytest.raises(ValueError, match=r"weight starts 0 bytes .* rows 260 bytes apart"):
+    with pytest.raises(ValueError, match=r"weight starts 0 bytes .*\(rows 260 bytes apart\)"):
         gemm_nvfp4_wgmma(x16, exps, wide, scales, torch.ones(1), out, False)
     assert bool((out == 3.0).all())
 
 
-def test_a_planned_wgmma_call_it_cannot_run_plans_again_without_it(monkeypatch):
-    """A planned call whose wgmma plan the kernel cannot take (here x on the CPU; on the GPU, a weight view TMA
-    cannot read) runs the plan made without it; unless x_pairs were made in the kernel's order, which is
-    refused with the reason, writing nothing."""
+def test_a_planned_wgmma_call_on_weights_tma_cannot_read_plans_again_without_it(monkeypatch):
+    """A planned wgmma call (forced here: the planner gives it only on sm_90) on a weight 4 bytes past a
+    16-byte boundary, which the Triton kernels read and TMA cannot, runs the plan made without it; unless
+    x_pairs were made in the kernel's order, which is refused with the reason, writing nothing."""
     n, k, m = 64, 512, 4
     x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=3)
+    shifted = torch.empty(weight.numel() + 16, dtype=torch.uint8)[4:4 + weight.numel()].view_as(weight)
+    shifted.copy_(weight)
     planner = linear_nvfp4.default_plan
     monkeypatch.setattr(linear_nvfp4, "default_plan", lambda x, n, k, split_k, wgmma=True: dataclasses.replace(
         planner(x, n, k, split_k), wgmma=wgmma))
     w = dequantize_nvfp4(weight, scale, scale_2)
-    out = linear_nvfp4_triton(x, weight, scale, scale_2)
+    out = linear_nvfp4_triton(x, shifted, scale, scale_2)
     assert_matches(out, (x.float() @ w.T).to(x.dtype), x.float().abs() @ w.abs().T, sum_rtol=F16_SUM_RTOL)
     made = XPairs.empty(m, k, k, x.device, ORDER)
     out = torch.full((m, n), 3.0, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"x_pairs: made in the wgmma kernel's order \(256\), which cannot run "
-                                         r"here: x on cpu"):
-        linear_nvfp4_triton(x, weight, scale, scale_2, out=out, x_pairs=made)
+                                         r"here: weight starts 4 bytes past a 16-byte boundary"):
+        linear_nvfp4_triton(x, shifted, scale, scale_2, out=out, x_pairs=made)
     assert bool((out == 3.0).all())
 
 

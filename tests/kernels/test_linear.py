@@ -151,7 +151,7 @@ def test_tma_plans_it_cannot_run_are_refused():
     out = torch.full((4, 70), 7.0, dtype=torch.bfloat16)
     cases = [(x.float(), w.float(), tma_plan(4, 70, 64), r"x torch.float32.*16-bit x and weight"),
              (torch.zeros(4, 68, dtype=torch.bfloat16)[:, :64], w, tma_plan(4, 70, 64),
-              r"x has strides \(68, 1\).*rows a multiple of 16 bytes apart"),
+              r"x starts 0 bytes past a 16-byte boundary, with strides \(68, 1\).*rows a multiple of 16 bytes apart"),
              (x, w, dataclasses.replace(make_plan(4, 70, 64, 64, 32, splits=2), tma=True),
               r"2 K slices and block_m 16 for M = 4: it takes one K slice"),
              (x[:1], w, tma_plan(1, 70, 64), r"M = 1: it takes 2 to 32 rows"),
