@@ -11,6 +11,10 @@ of BK makes one word of 8 codes fill such a thread's fragment over two K blocks,
 words (32 bytes a row at BK = 256, from a ring in shared memory that TMA keeps the next K steps in: the packed
 words are a quarter of the decoded tile's bytes) and its blocks' scales (an int32 of 4, made fp16 pairs by one
 asm), and `convert_layout(..., assert_trivial=True)` proves no data moves after.
+The program is warp-specialized: one producer warp (in a warpgroup of its own, its registers given back) issues
+every TMA copy and waits for each stage's release; the consumer warps wait only on the copies, so they hold no
+copy logic and no CTA-wide barrier (Triton's barrier analysis put six a K step in the single-role kernel, and its
+threads could not go below 74 registers).
 x is permuted the same way by x's pass (`_x_f16_pairs_kernel(ORDER=BK)`), so the products are those of the
 reference, in another order of K.
 
@@ -44,42 +48,58 @@ def block_m(m: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class WgmmaTile:
-    """One launch's tile: `bn` weight rows a program (16 a warp, 64 a warpgroup), K steps of `bk` (the K tile
-    of `dot_order`) through a ring of `stages` steps in shared memory, `stages` - 1 in flight; each step
-    decoded and multiplied in `parts` (1 or 2) parts of bk / parts, each part's A operand alone in registers
-    (at 2: 74 registers a thread against 107, so 3 programs of 8 warps fit an SM, not 2)."""
+    """One launch's tile: `bn` weight rows a program for `warps` consumer warps (16 rows a warp, 64 a
+    warpgroup), K steps of `bk` (the K tile of `dot_order`) through a ring of `stages` steps in shared memory;
+    each step read back from the ring in its two halves and multiplied in `parts` (2 or 4) parts of bk / parts,
+    each part's A operand alone in registers. `maxnreg`: registers a thread at launch; the producer's warpgroup
+    gives back all but PRODUCER_REGS of its own, so the consumers run at `consumer_regs` (72 at the planner's
+    tiles: 3 programs of 8 consumer warps, or 5 of 4, fit an SM's 64K registers, and ptxas keeps each part's
+    wgmmas in one batch; at 72 registers two parts of 128 did not fit without spilling)."""
     bn: int = 128
     bk: int = 256
     warps: int = 8
-    stages: int = 3
-    parts: int = 1
+    stages: int = 2
+    parts: int = 4
+    maxnreg: int = 56
 
     def __post_init__(self):
         if not (self.bn == 16 * self.warps and self.warps % 4 == 0 and self.bk % 256 == 0
-                and MIN_K_MULTIPLE % self.bk == 0 and self.stages >= 2 and self.parts in (1, 2)):
+                and MIN_K_MULTIPLE % self.bk == 0 and self.stages >= 2 and self.parts in (2, 4)
+                and self.maxnreg % 8 == 0 and PRODUCER_REGS <= self.maxnreg and self.consumer_regs <= 256):
             raise ValueError(f"WgmmaTile: {self}; it takes whole warpgroups of 16 rows a warp (bn = 16 * warps, "
                              f"warps a multiple of 4), bk a multiple of 256 dividing {MIN_K_MULTIPLE} (each "
-                             "thread's words a row span whole 4-byte words of scales), 2 stages or more and 1 or 2 "
-                             "parts")
+                             "thread's words a row span whole 4-byte words of scales), 2 stages or more, 2 or 4 "
+                             f"parts, and maxnreg a multiple of 8 from {PRODUCER_REGS} up that leaves the consumers "
+                             "256 registers or fewer")
+
+    @property
+    def consumer_regs(self) -> int:
+        """The consumer warps' registers: the launch's pool (maxnreg for each of warps + 4 warps: the producer's
+        warp is padded to a warpgroup) less the producer warpgroup's PRODUCER_REGS, a multiple of 8."""
+        return (self.maxnreg * (self.warps + 4) - PRODUCER_REGS * 4) // self.warps // 8 * 8
 
 
+# Registers a thread of the producer warp(group) keeps (setmaxnreg's least)
+PRODUCER_REGS = 24
+_PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
 # K a multiple of this: whole K steps of every tile (bk 256 or 512), and rows of scales that are whole int32
 # words of 4 blocks (K / 64 of them)
 MIN_K_MULTIPLE = 512
-# The tile by rows of x a program (`block_m`). H200, tiles against each other in one process, the median of
-# alternating rounds (microseconds, 151936 x 2048 / 154880 x 4096; BENCHMARKS.md, fourteenth run):
-# - 8 rows: 64 weight rows a program (one warpgroup), K steps of 256, 4 warps, a ring of 3 steps (39 KB of shared
-#   memory), one part: 51.0 / 102.2 against 52.1 / 101.9 for a ring of 2 and 56.7 / 112.5 for 128 rows (AI);
-#   51.3 / 102.6 against 52.6 / 104.3 in two parts (AL).
-# - 16 rows: the same warpgroup in a ring of 2 steps (34 KB), two parts: 57.9 / 121.9 against 60.2 / 124.3 in one
-#   part, 62.1 / 124.9 for a ring of 3 and 66.5 / 137.5 for 128 rows (AM).
-# - 32 rows: 128 weight rows a program (two warpgroups sharing x), 8 warps, a ring of 2 steps (68 KB), two parts:
-#   74 registers, so 3 programs an SM (one part: 107, 2 programs). 69.95 / 142.4 against 75.4 / 158.6 in one part
-#   and 79.0 / 159.5 for a ring of 3 (2 programs an SM, by shared memory) (AM); 67.1 / 135.6 against 75.8 / 148.7
-#   for one warpgroup (AL). Deeper rings lost in every run since the eleventh: more warps an SM beat more steps in
-#   flight.
-TILES = {8: WgmmaTile(bn=64, warps=4, stages=3), 16: WgmmaTile(bn=64, warps=4, stages=2, parts=2),
-         32: WgmmaTile(stages=2, parts=2)}
+# The tile by rows of x a program (`block_m`). H200, against the single-role kernel of the fourteenth run (its
+# tiles: 8 rows one part in a ring of 3, 16 and 32 rows two parts in a ring of 2), in one process, the median of
+# alternating rounds (microseconds, 151936 x 2048 / 154880 x 4096; BENCHMARKS.md, fifteenth run):
+# - 32 rows: 128 weight rows a program (two consumer warpgroups sharing x), a ring of 2 steps (68 KB), four parts
+#   at 72 registers: 65.0 / 131.7 against 65.7 / 146.2 (AW), 66.9 / 132.4 against 68.0 / 137.2 (AU). In two parts
+#   at 80 registers (2 programs an SM): 70.7 / 137.5 against 69.3 / 141.5 (AS); a ring of 3 (2 programs an SM,
+#   by shared memory): 69.5 / 134.0 against 64.7 / 138.8 (AV).
+# - 8 and 16 rows: 64 weight rows (one consumer warpgroup), rings of 3 and 2 steps, two parts: 51.9 / 99.2 and
+#   55.4 / 108.5 against 51.0 / 101.6 and 54.6 / 112.7 (AW). Rings of 4 and 3: 54.3 / 99.6 and 58.1 / 112.3
+#   against 50.9 / 99.3 and 54.9 / 111.2 (AV).
+# The eleventh to fourteenth runs' single-role tiles lost with deeper rings too: more warps an SM beat more steps
+# in flight.
+TILES = {8: WgmmaTile(bn=64, warps=4, stages=3, parts=2, maxnreg=48),
+         16: WgmmaTile(bn=64, warps=4, stages=2, parts=2, maxnreg=48),
+         32: WgmmaTile(bn=128, warps=8, stages=2, parts=4, maxnreg=56)}
 ORDER = 256                # the `XPairs.order` (the K tile of `dot_order`) the kernel reads x in: every tile's bk
 assert all(t.bk == ORDER for t in TILES.values())
 
@@ -100,12 +120,12 @@ def dot_order(k: int, bk: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def layouts(bn: int, bk: int, warps: int, bm: int, parts: int = 1) -> dict:
-    """The kernel's layouts for tiles of bn weight rows (64 a warpgroup), bk of K (a multiple of 256), bm rows
-    of x and K steps in `parts` parts: the registers' (words and scale words as each thread reads them, a
-    part's words, the accumulator and the A operand)."""
+def layouts(bn: int, bk: int, warps: int, bm: int) -> dict:
+    """The kernel's layouts for tiles of bn weight rows (64 a warpgroup), bk of K (a multiple of 256) and bm
+    rows of x: the registers' (a half step's words as each thread reads them from the ring, the words of a
+    step, a half and a quarter, the scale words, the accumulator and the A operand)."""
     wg = warps // 4
-    assert bn == 64 * wg and bk % 256 == 0 and bm in (8, 16, 32) and parts in (1, 2), (bn, bk, warps, bm, parts)
+    assert bn == 64 * wg and bk % 256 == 0 and bm in (8, 16, 32), (bn, bk, warps, bm)
     per = bk // 32                                                   # words a row a thread
     lg = lambda v: v.bit_length() - 1                                # noqa: E731
     rows_w = [[16 << i, 0] for i in range(2 + lg(wg))]
@@ -117,20 +137,29 @@ def layouts(bn: int, bk: int, warps: int, bm: int, parts: int = 1) -> dict:
             lane_bases=[[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
             shape=[bn, 4 * per])
     words = words_of(per)
+    # a half step's words [bn, 4, 1, per/2] of the ring's stage seen as [bn, 4 (c), 2 (half), per/2]: thread c's
+    # words per * c + b, b in the half
+    ring_half = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1 << i] for i in range(lg(per // 2))] + [[8, 0, 0, 0]],
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[r, 0, 0, 0] for r, _ in rows_w], block_bases=[], shape=[bn, 4, 1, per // 2])
     # the scales as int32 words of 4 blocks [bn, bk/64]: the same thread holds its words' blocks
     scales = gl.DistributedLinearLayout(
         reg_bases=[[0, 1 << i] for i in range(lg(per // 8))] + [[8, 0]],
         lane_bases=[[0, per // 8], [0, per // 4], [1, 0], [2, 0], [4, 0]], warp_bases=rows_w, block_bases=[],
         shape=[bn, bk // 64])
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bm, 16])
-    return dict(WORDS=words, PART_WORDS=words_of(per // parts), SCALES=scales, ACC=acc,
+    return dict(RING_HALF=ring_half, WORDS=words, HALF_WORDS=words_of(per // 2), QUARTER_WORDS=words_of(per // 4),
+                SCALES=scales, ACC=acc,
                 A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2))
 
 
-# The ring's layouts (the TMA descriptors'). Words: 128-byte rows at BK = 256, their 16-byte groups XOR-swizzled by
-# row % 8: a phase of a 16-byte read-back (lanes 4r + c and 4(r+1) + c, c in 0..3, groups 2c or 2c + 1) meets each
-# bank once, not twice (unswizzled, rows r and r + 1 share their banks). x: the wgmma's B operand.
-W_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+# The ring's layouts (the TMA descriptors'). Words: 128-byte rows at BK = 256, unswizzled, so that the consumers
+# can view a stage as [BN, 4, 2, BK/64] (W_HALVES) and read each half of their words on its own, 16 bytes a thread
+# and row (rows r and r + 1 of a read phase share their banks: two wavefronts where a swizzle gave one, on 4 of
+# the step's loads). x: the wgmma's B operand.
+W_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+W_HALVES = gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
 S_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
@@ -164,8 +193,9 @@ def _word_scales(s32, BN: gl.constexpr, BK: gl.constexpr, WORDS: gl.constexpr):
 
 @gluon.jit
 def _halves(v, BN: gl.constexpr, BK: gl.constexpr, PART_WORDS: gl.constexpr):
-    """[BN, BK/8] per word (WORDS) -> the words of each half of the K step's dot positions, [BN, BK/16] each
-    (PART_WORDS): thread c's words per * c + b, b under per / 2 and then the rest (registers only)."""
+    """[BN, BK/8] per word of a K tile of BK (WORDS) -> the words of each half of its dot positions, [BN, BK/16]
+    each (PART_WORDS): thread c's words per * c + b, b under per / 2 and then the rest (registers only). A half
+    step's words (BK/2) split so give its quarters."""
     h = gl.permute(gl.reshape(v, [BN, 4, 2, BK // 64]), (0, 1, 3, 2))    # [n, c, b', half]
     h0, h1 = gl.split(h)
     return (gl.convert_layout(gl.reshape(h0, [BN, BK // 16]), PART_WORDS, assert_trivial=True),
@@ -200,57 +230,91 @@ def _ring_issue(w_desc, s_desc, x_desc, bar, w_sm, s_sm, x_sm, row, kk, pred, X:
 
 
 @gluon.jit
+def _producer(w_desc, s_desc, x_desc, full, empty, w_sm, s_sm, x_sm, row, nk, BK: gl.constexpr,
+              STAGES: gl.constexpr, PDL: gl.constexpr):
+    """The producer warp: fills stage i % STAGES with step i's copies (completing on full[stage]) once the
+    consumers released it (empty[stage]); the weights' first copies go out before the PDL wait on x's pass."""
+    for j in gl.static_range(STAGES):
+        _ring_issue(w_desc, s_desc, x_desc, full.index(j), w_sm.index(j), s_sm.index(j), x_sm.index(j), row,
+                    j * BK, j < nk, X=False)
+    if PDL:
+        gdc_wait()
+    for j in gl.static_range(STAGES):
+        _ring_issue(w_desc, s_desc, x_desc, full.index(j), w_sm.index(j), s_sm.index(j), x_sm.index(j), row,
+                    j * BK, j < nk, W=False)
+    for i in range(STAGES, nk):
+        cur = i % STAGES
+        mbarrier.wait(empty.index(cur), ((i // STAGES) & 1) ^ 1)    # released for the (i // STAGES)-th time
+        _ring_issue(w_desc, s_desc, x_desc, full.index(cur), w_sm.index(cur), s_sm.index(cur), x_sm.index(cur),
+                    row, i * BK, True)
+
+
+@gluon.jit
+def _consumer(full, empty, w_sm, s_sm, x_sm, nk, BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr,
+              RING_HALF: gl.constexpr, WORDS: gl.constexpr, HALF_WORDS: gl.constexpr, QUARTER_WORDS: gl.constexpr,
+              SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr, STAGES: gl.constexpr,
+              PARTS: gl.constexpr):
+    """The consumer warps: each step's scales, then each half's words read from the ring after the last part's
+    wgmma, decoded in `PARTS` // 2 parts into the A operand, times x from the ring; the stage released after.
+    Returns the accumulator [BN, BM]."""
+    acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
+    for i in range(nk):
+        cur = i % STAGES
+        mbarrier.wait(full.index(cur), (i // STAGES) & 1)            # this step's copies landed
+        sh = _halves(_word_scales(s_sm.index(cur).load(SCALES), BN, BK, WORDS), BN, BK, HALF_WORDS)
+        halves = w_sm.index(cur)._reinterpret(gl.int32, [BN, 4, 2, BK // 64], W_HALVES)
+        xs = x_sm.index(cur)
+        for h in gl.static_range(2):
+            wh = gl.convert_layout(gl.reshape(halves.slice(h, 1, dim=2).load(RING_HALF), [BN, BK // 16]),
+                                   HALF_WORDS, assert_trivial=True)
+            if PARTS == 2:
+                acc = hopper.warpgroup_mma(_decode(wh, sh[h], BN, BK // 2, HALF_WORDS, A_OP),
+                                           xs.slice(h * BK // 2, BK // 2, dim=1).permute((1, 0)), acc)
+            else:
+                wq = _halves(wh, BN, BK // 2, QUARTER_WORDS)
+                sq = _halves(sh[h], BN, BK // 2, QUARTER_WORDS)
+                for q in gl.static_range(2):
+                    acc = hopper.warpgroup_mma(_decode(wq[q], sq[q], BN, BK // 4, QUARTER_WORDS, A_OP),
+                                               xs.slice((2 * h + q) * BK // 4, BK // 4, dim=1).permute((1, 0)), acc)
+        mbarrier.arrive(empty.index(cur))                            # after every consumer warp's wgmma
+    return (acc,)
+
+
+@gluon.jit
 def _gemm_nvfp4_wgmma_kernel(x_desc, exp_ptr, w_desc, s_desc, s2_ptr, out_ptr, M, N, K, stride_om, stride_on,
-                             BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr, WORDS: gl.constexpr,
-                             PART_WORDS: gl.constexpr, SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr,
-                             STAGES: gl.constexpr, PARTS: gl.constexpr, PDL: gl.constexpr):
+                             BN: gl.constexpr, BK: gl.constexpr, BM: gl.constexpr, RING_HALF: gl.constexpr,
+                             WORDS: gl.constexpr, HALF_WORDS: gl.constexpr, QUARTER_WORDS: gl.constexpr,
+                             SCALES: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr, STAGES: gl.constexpr,
+                             PARTS: gl.constexpr, PDL: gl.constexpr):
     """out [M, N] = x @ w^T for M <= BM, read through TMA descriptors: x_desc of x's pass's fp16 [M, K] in
     `dot_order` (times 2^exp[m], one K slice; blocks [BM, BK]), w_desc of the words [N, K/8] (int32; blocks
     [BN, BK/8]), s_desc of the scale bytes as int32 words of 4 blocks [N, K/64] (blocks [BN, BK/64]); K a
     multiple of MIN_K_MULTIPLE (`gemm_nvfp4_wgmma` checks).
-    One program a tile of BN rows. A ring of STAGES K steps in shared memory, each stage's three copies
-    completing on its mbarrier; each thread reads back its own words in the A layout, decodes them into its
-    fragment, and the wgmma takes x from the ring; the stage is refilled STAGES - 1 steps ahead once every
-    warp is past it. Rows past N and rows of x past M are read as zeros (TMA's bounds) and stored nowhere.
-    PDL: launched beside x's pass, whose pairs it reads after it ends (the first weight copies go out before)."""
+    One program a tile of BN rows: a ring of STAGES K steps in shared memory, filled by the producer warp
+    (`_producer`) and read by the consumer warps (`_consumer`, num_warps of them), each stage's copies
+    completing on its `full` barrier and its release on its `empty` one. Rows past N and rows of x past M are
+    read as zeros (TMA's bounds) and stored nowhere. PDL: launched beside x's pass, whose pairs (and exps) it
+    reads after it ends."""
     pid = gl.program_id(0)
-    row = pid * BN
     w_sm = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], w_desc.layout)
     s_sm = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 64], s_desc.layout)
     x_sm = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(STAGES):
-        mbarrier.init(bars.index(j), count=1)
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
     nk = K // BK
-    for j in gl.static_range(STAGES - 1):                            # the weights need nothing from x's pass
-        _ring_issue(w_desc, s_desc, x_desc, bars.index(j), w_sm.index(j), s_sm.index(j), x_sm.index(j), row,
-                    j * BK, j < nk, X=False)
-    if PDL:
-        gdc_wait()
-    for j in gl.static_range(STAGES - 1):
-        _ring_issue(w_desc, s_desc, x_desc, bars.index(j), w_sm.index(j), s_sm.index(j), x_sm.index(j), row,
-                    j * BK, j < nk, W=False)
-    acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
-    for i in range(nk):
-        cur = i % STAGES
-        mbarrier.wait(bars.index(cur), (i // STAGES) & 1)            # this step's copies landed
-        gl.thread_barrier()                                          # every warp is past step i - 1: its stage is free
-        nxt = (i + STAGES - 1) % STAGES
-        _ring_issue(w_desc, s_desc, x_desc, bars.index(nxt), w_sm.index(nxt), s_sm.index(nxt), x_sm.index(nxt),
-                    row, (i + STAGES - 1) * BK, i + STAGES - 1 < nk)
-        wv = w_sm.index(cur).load(WORDS)
-        sw = _word_scales(s_sm.index(cur).load(SCALES), BN, BK, WORDS)
-        if PARTS == 1:
-            acc = hopper.warpgroup_mma(_decode(wv, sw, BN, BK, WORDS, A_OP), x_sm.index(cur).permute((1, 0)), acc)
-        else:                       # each half's fragment decoded after the last one's wgmma: half the registers
-            w0, w1 = _halves(wv, BN, BK, PART_WORDS)
-            s0, s1 = _halves(sw, BN, BK, PART_WORDS)
-            acc = hopper.warpgroup_mma(_decode(w0, s0, BN, BK // 2, PART_WORDS, A_OP),
-                                       x_sm.index(cur).slice(0, BK // 2, dim=1).permute((1, 0)), acc)
-            acc = hopper.warpgroup_mma(_decode(w1, s1, BN, BK // 2, PART_WORDS, A_OP),
-                                       x_sm.index(cur).slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc)
+    acc = gl.warp_specialize([
+        (_consumer, (full, empty, w_sm, s_sm, x_sm, nk, BN, BK, BM, RING_HALF, WORDS, HALF_WORDS, QUARTER_WORDS,
+                     SCALES, ACC, A_OP, STAGES, PARTS)),
+        (_producer, (w_desc, s_desc, x_desc, full, empty, w_sm, s_sm, x_sm, pid * BN, nk, BK, STAGES, PDL))],
+        [1], [_PRODUCER_REGS])[0]
     for j in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(j))
+        mbarrier.invalidate(full.index(j))
+        mbarrier.invalidate(empty.index(j))
+    if PDL:
+        gdc_wait()                   # the exps are x's pass's too (returns at once: the producer waited already)
     on = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
     om = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
     p = 6 - gl.load(exp_ptr + om, mask=om < M, other=0)               # the decode's 2^-6 and x's 2^e undone
@@ -281,4 +345,4 @@ def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor,
         TensorDescriptor.from_tensor(words, [tile.bn, tile.bk // 8], W_SMEM),
         TensorDescriptor.from_tensor(s32, [tile.bn, tile.bk // 64], S_SMEM), scale_2, out, m, n, k,
         out.stride(0), out.stride(1), BN=tile.bn, BK=tile.bk, BM=bm, STAGES=tile.stages, PARTS=tile.parts, PDL=pdl,
-        num_warps=tile.warps, launch_pdl=pdl, **layouts(tile.bn, tile.bk, tile.warps, bm, tile.parts))
+        num_warps=tile.warps, maxnreg=tile.maxnreg, launch_pdl=pdl, **layouts(tile.bn, tile.bk, tile.warps, bm))

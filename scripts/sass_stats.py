@@ -14,8 +14,8 @@ x's pairs from x's own pass with --x-pass (and, as on the H200, launched beside 
     python3 scripts/sass_stats.py nvfp4-gemv --tile 1,64,256 --stages 2 --x-pass
     python3 scripts/sass_stats.py nvfp4-gemv --tile 8,64,256 --stages 2        (the GEMV of 8 rows)
     python3 scripts/sass_stats.py nvfp4-wgmma     (the Gluon kernel of M = 2-32 on the LM heads, its tile of 32 rows)
-    python3 scripts/sass_stats.py nvfp4-wgmma --tile 8,64,256 --stages 3          (its tile of 8 rows)
-    python3 scripts/sass_stats.py nvfp4-wgmma --tile 16,64,256 --stages 2 --parts 2 (its tile of 16 rows)
+    python3 scripts/sass_stats.py nvfp4-wgmma --tile 8,64,256                     (its tile of 8 rows: `TILES`)
+    python3 scripts/sass_stats.py nvfp4-wgmma --parts 2 --maxnreg 64 [--module diag/peer.py]   (another tile)
     python3 scripts/sass_stats.py {bf16,fp8}-{gemv,gemm} ...  [--warps 4] [--stages 3] [--sass out.sass]
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -64,7 +65,7 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
                 {"x_desc": desc(torch.float16, [bm, bk], wgmma.X_SMEM), "exp_ptr": "*i32",
                  "w_desc": desc(torch.int32, [bn, bk // 8], wgmma.W_SMEM),
                  "s_desc": desc(torch.int32, [bn, bk // 64], wgmma.S_SMEM), "s2_ptr": "*fp32", "out_ptr": "*bf16"},
-                dict(wgmma.layouts(bn, bk, bn // 16, bm, parts), BN=bn, BK=bk, BM=bm, STAGES=stages, PARTS=parts,
+                dict(wgmma.layouts(bn, bk, bn // 16, bm), BN=bn, BK=bk, BM=bm, STAGES=stages, PARTS=parts,
                      PDL=True))
     dot = kind == "gemm"
     if fmt == "nvfp4":
@@ -93,16 +94,18 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
                  ROW_SCALE=fmt == "fp8", X_EXP=x_pass, PDL=x_pass))
 
 
-def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> tuple[str, int, int]:
-    """(the disassembly, registers a thread, bytes of local memory a thread: spills) of `fn` compiled for
-    sm_90."""
+def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
+                 maxnreg: int | None = None) -> tuple[str, int, int]:
+    """(the disassembly, registers a thread at launch, bytes of local memory a thread: spills) of `fn` compiled
+    for sm_90, at most `maxnreg` registers a thread where given (as the launch's option)."""
     constexprs = {**{a: 1 for a in _UNIT if a in fn.arg_names}, **constexprs}
     sig = _signature(fn, types, constexprs)
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in _DIVISIBLE if a in sig}
     source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
     compiled = triton.compile(source(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+                              options=dict(num_warps=num_warps, num_stages=num_stages,
+                                           **({"maxnreg": maxnreg} if maxnreg else {})))
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
@@ -156,23 +159,35 @@ def main() -> int:
                     help="nvfp4-gemv: x paired by its own pass (`uses_x_pass`: the LM heads), not in the K loop; "
                          "fp8-gemm: x in fp16 from its own pass (`F16_DOT_MIN_ELEMENTS`), the dot in fp16; "
                          "nvfp4-gemm: the fp16 dot on x's pass's pairs (`uses_f16_dot`), not the bf16 one")
-    ap.add_argument("--parts", type=int, default=None, help="nvfp4-wgmma: the K step in 1 or 2 parts (default: "
-                    "the module's tile of 32 rows' without --tile, else 1)")
+    ap.add_argument("--parts", type=int, default=None, help="nvfp4-wgmma: the K step in 2 or 4 parts (default: "
+                    "the module's tile for --tile's rows, `TILES`)")
+    ap.add_argument("--maxnreg", type=int, default=None, help="nvfp4-wgmma: registers a thread at launch "
+                    "(default: the module's tile's)")
     ap.add_argument("--sass", default=None, help="also write the whole disassembly here")
+    ap.add_argument("--module", default=None, help="nvfp4-wgmma: compile this version of the kernel's module "
+                    "(a scratch peer, as `sweep_wgmma.py --peer` takes) instead of the package's")
     args = ap.parse_args()
+    if args.module:
+        global wgmma
+        spec = importlib.util.spec_from_file_location("peer_gemm_nvfp4_wgmma", args.module)
+        wgmma = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = wgmma           # Gluon's jit looks the module up by name
+        spec.loader.exec_module(wgmma)
     dot = args.kernel.endswith("gemm") or args.kernel.endswith("wgmma")
     bm, bn, bk = (int(v) for v in (args.tile or ("32,128,64" if dot else "1,32,256")).split(","))
-    if args.kernel == "nvfp4-wgmma":            # the module's tile of 32 rows unless --tile (and --stages)
-        t = wgmma.TILES[32]
+    if args.kernel == "nvfp4-wgmma":            # the module's tile for the rows (32 unless --tile), or as given
+        bm = int(args.tile.split(",")[0]) if args.tile else 32
+        t = wgmma.TILES[wgmma.block_m(bm)]
         bm, bn, bk = (int(v) for v in args.tile.split(",")) if args.tile else (32, t.bn, t.bk)
-        args.warps, args.stages = bn // 16, args.stages if args.tile else t.stages
-        args.parts = args.parts or (1 if args.tile else t.parts)
+        t = wgmma.WgmmaTile(bn=bn, bk=bk, warps=bn // 16, stages=args.stages if "--stages" in sys.argv else t.stages,
+                            parts=args.parts or t.parts, maxnreg=args.maxnreg or t.maxnreg)
+        args.warps, args.stages, args.parts, args.maxnreg = t.warps, t.stages, t.parts, t.maxnreg
     if (args.kernel != "nvfp4-wgmma" and dot != (bm >= 16)) or (bm > 1 and not dot and args.kernel != "nvfp4-gemv"):
         ap.error(f"--tile {bm},{bn},{bk}: a gemm tile has BLOCK_M 16 or 32, a gemv tile BLOCK_M 1 (nvfp4-gemv: "
                  "up to 8, the GEMV of several rows)")
     fn, types, constexprs = kernel(args.kernel, bm, bn, bk, args.swap, args.stages, args.x_pass, args.parts or 1)
     stages = 1 if "AHEAD" in constexprs or "STAGES" in constexprs else args.stages
-    sass, regs, spills = compile_sass(fn, types, constexprs, args.warps, stages)
+    sass, regs, spills = compile_sass(fn, types, constexprs, args.warps, stages, args.maxnreg)
     if args.sass:
         with open(args.sass, "w") as f:
             f.write(sass)
@@ -184,6 +199,9 @@ def main() -> int:
           f"{f' parts {args.parts}' if args.parts else ''}: "
           f"{len(body)} instructions a K step, {len(body) / per_thread:.2f} per weight element and thread; "
           f"{regs} registers, {spills} bytes of local memory")
+    if args.kernel == "nvfp4-wgmma":            # setmaxnreg: the producer's warpgroup gives back, the consumers take
+        counts = sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)})
+        print(f"  consumers at {t.consumer_regs} registers (setmaxnreg counts in the code: {counts})")
     print("  " + ", ".join(f"{op} {n}" for op, n in hist.most_common(14)))
     if stores:
         print("  shared stores: " + ", ".join(f"{op} {n}" for op, n in stores.most_common()))

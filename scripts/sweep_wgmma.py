@@ -40,21 +40,17 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import MIN_CALLS, ROTATE_BYTES, SHAPES, copy_bandwidth, weight_bytes  # noqa: E402
 from tune_gemv import time_us  # noqa: E402
 
-TILES = {  # name: rows a program, warps, ring stages (K steps of 256: `ORDER`), -p2: the steps in 2 parts
-    "128x8w-2": WgmmaTile(stages=2),
-    "128x8w-3": WgmmaTile(),
-    "128x8w-4": WgmmaTile(stages=4),
-    "64x4w-2": WgmmaTile(bn=64, warps=4, stages=2),
-    "64x4w-3": WgmmaTile(bn=64, warps=4, stages=3),
-    "64x4w-4": WgmmaTile(bn=64, warps=4, stages=4),
-    "64x4w-6": WgmmaTile(bn=64, warps=4, stages=6),
-    "256x16w-2": WgmmaTile(bn=256, warps=16, stages=2),
-    "256x16w-3": WgmmaTile(bn=256, warps=16, stages=3),
-    "256x16w-4": WgmmaTile(bn=256, warps=16, stages=4),
-    "128x8w-2-p2": WgmmaTile(stages=2, parts=2),
-    "128x8w-3-p2": WgmmaTile(stages=3, parts=2),
-    "64x4w-2-p2": WgmmaTile(bn=64, warps=4, stages=2, parts=2),
-    "64x4w-3-p2": WgmmaTile(bn=64, warps=4, stages=3, parts=2),
+TILES = {  # name: rows a program, consumer warps, ring stages (K steps of 256: `ORDER`), -pN: the steps in N parts,
+    #          -rN: N registers a thread at launch (the consumers': `WgmmaTile.consumer_regs`)
+    "128x8w-2-p4-r56": WgmmaTile(stages=2, parts=4, maxnreg=56),
+    "128x8w-3-p4-r56": WgmmaTile(stages=3, parts=4, maxnreg=56),
+    "128x8w-2-p2-r64": WgmmaTile(stages=2, parts=2, maxnreg=64),
+    "128x8w-3-p2-r64": WgmmaTile(stages=3, parts=2, maxnreg=64),
+    "64x4w-2-p2-r48": WgmmaTile(bn=64, warps=4, stages=2, parts=2, maxnreg=48),
+    "64x4w-3-p2-r48": WgmmaTile(bn=64, warps=4, stages=3, parts=2, maxnreg=48),
+    "64x4w-4-p2-r48": WgmmaTile(bn=64, warps=4, stages=4, parts=2, maxnreg=48),
+    "64x4w-3-p4-r48": WgmmaTile(bn=64, warps=4, stages=3, parts=4, maxnreg=48),
+    "256x16w-2-p4-r64": WgmmaTile(bn=256, warps=16, stages=2, parts=4, maxnreg=64),
 }
 
 

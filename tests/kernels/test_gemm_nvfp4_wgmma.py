@@ -97,8 +97,11 @@ def test_tiles_it_cannot_run_are_refused():
         WgmmaTile(bn=32, warps=2)
     with pytest.raises(ValueError, match=r"2 stages or more"):
         WgmmaTile(stages=1)
-    with pytest.raises(ValueError, match=r"1 or 2 parts"):
-        WgmmaTile(parts=4)
+    with pytest.raises(ValueError, match=r"2 or 4 parts"):
+        WgmmaTile(parts=1)
+    with pytest.raises(ValueError, match=r"maxnreg a multiple of 8 from 24 up"):
+        WgmmaTile(maxnreg=60)
+    assert [(t.maxnreg, t.consumer_regs) for t in TILES.values()] == [(48, 72), (48, 72), (56, 72)]
     assert [block_m(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
 
 
@@ -113,18 +116,24 @@ def _sass_stats():
     return module
 
 
-@pytest.mark.parametrize("bm", [16, 32])
-def test_two_part_tiles_keep_the_registers_that_fit_more_programs(bm):
-    """The planner's two-part tiles exist to hold a thread to 85 registers or fewer (3 programs of 8 warps, or
-    6 of 4, an SM; one part takes 107), which nothing in the source enforces: a scheduler that hoisted the
-    second half's decode above the first half's wgmma would keep both fragments live. So the tiles are
-    compiled for sm_90 here (Triton's own ptxas, no GPU) and their registers checked: 74 and 67 with Triton 3.6."""
+@pytest.mark.parametrize("bm", [8, 16, 32])
+def test_planned_tiles_fit_their_registers_without_spilling_or_serializing(bm):
+    """Each planned tile's registers are its choice (`WgmmaTile.maxnreg`: 3 programs of 12 warps an SM at 32 rows,
+    5 of 8 at 8 and 16), and nothing in the source keeps the consumers inside the 72 that leaves them: a
+    scheduler that hoisted a part's decode above the last part's wgmma would spill, or ptxas would wait on each
+    wgmma on its own (at 72 registers the 32-row tile did both in two parts). So the tiles are compiled for
+    sm_90 here (Triton's own ptxas, no GPU): no local memory, the launch and setmaxnreg counts the tile's, and
+    one wgmma batch (an arrive and a wait) a part in the K loop."""
+    import collections
+    import re
     stats = _sass_stats()
     t = TILES[bm]
-    assert t.parts == 2
     fn, types, constexprs = stats.kernel("nvfp4-wgmma", bm, t.bn, t.bk, False, t.stages, parts=t.parts)
-    _, regs, spills = stats.compile_sass(fn, types, constexprs, t.warps, 1)
-    assert regs <= 85 and spills == 0, (t, regs, spills)
+    sass, regs, spills = stats.compile_sass(fn, types, constexprs, t.warps, 1, t.maxnreg)
+    counts = {int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)}
+    ops = collections.Counter(op for op, _ in stats.loop_body(sass))
+    assert (regs, spills, counts) == (t.maxnreg, 0, {24, t.consumer_regs}), (t, regs, spills, counts)
+    assert ops["HGMMA"] == t.bk // 16 and ops["WARPGROUP"] == 2 * t.parts, (t, ops)
 
 
 def test_wgmma_refuses_k_and_operands_its_tma_cannot_read():
@@ -245,9 +254,10 @@ def test_gpu_wgmma_matches_reference(m, n, k, out_dtype):
     assert_matches(out, (x.float() @ w.T).to(out_dtype), x.float().abs() @ w.abs().T, sum_rtol=SUM_RTOL)
 
 
-_TILES = {"one-warpgroup": WgmmaTile(bn=64, warps=4, stages=4), "four-warpgroups": WgmmaTile(bn=256, warps=16),
-          "ring-of-3": WgmmaTile(stages=3), "one-part-ring-of-2": WgmmaTile(stages=2),
-          "two-parts-one-warpgroup": WgmmaTile(bn=64, warps=4, stages=3, parts=2)}
+_TILES = {"one-warpgroup-ring-of-4": WgmmaTile(bn=64, warps=4, stages=4, parts=2, maxnreg=48),
+          "four-warpgroups": WgmmaTile(bn=256, warps=16, stages=2, parts=4, maxnreg=64),
+          "ring-of-3": WgmmaTile(stages=3), "two-parts-80-registers": WgmmaTile(stages=2, parts=2, maxnreg=64),
+          "four-parts-one-warpgroup": WgmmaTile(bn=64, warps=4, stages=2, parts=4, maxnreg=48)}
 
 
 @pytest.mark.gpu
@@ -256,9 +266,9 @@ _TILES = {"one-warpgroup": WgmmaTile(bn=64, warps=4, stages=4), "four-warpgroups
 @pytest.mark.parametrize("m", [5, 16, 32])
 @pytest.mark.parametrize("n,k", [(1000, 1536), (129, 2048)])
 def test_gpu_wgmma_tiles_match_reference(tile, m, n, k):
-    """Tiles of one and four warpgroups a program, rings deeper than the planner's 2 steps (4, 3), and K steps
-    in one part and in two where the planner runs the other, at 8, 16 and 32 rows a program; fp32 out,
-    poisoned."""
+    """Tiles of one and four consumer warpgroups a program, rings deeper than the planner's (4, 3), and K steps
+    in two parts and in four where the planner runs the other (two at 80 consumer registers), at 8, 16 and 32
+    rows a program; fp32 out, poisoned."""
     x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=m + n + 7, device="cuda")
     out = run_wgmma(x, weight, scale, scale_2, torch.float32, _TILES[tile])
     w = dequantize_nvfp4(weight, scale, scale_2)
