@@ -25,6 +25,7 @@ import argparse
 import collections
 import importlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -164,6 +165,9 @@ def main() -> int:
     ap.add_argument("--maxnreg", type=int, default=None, help="nvfp4-wgmma: registers a thread at launch "
                     "(default: the module's tile's)")
     ap.add_argument("--sass", default=None, help="also write the whole disassembly here")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead (registers, local memory, "
+                    "setmaxnreg counts, the K loop's instruction histogram): for tests, which run this in a process "
+                    "of its own (Triton's interpreter, once run in a process, breaks later compiles there)")
     ap.add_argument("--module", default=None, help="nvfp4-wgmma: compile this version of the kernel's module "
                     "(a scratch peer, as `sweep_wgmma.py --peer` takes) instead of the package's")
     args = ap.parse_args()
@@ -194,14 +198,17 @@ def main() -> int:
     body = loop_body(sass)
     per_thread = bn * bk / (32 * args.warps)                         # weight elements per thread per iteration
     hist = collections.Counter(op for op, _ in body)
+    setmaxnreg = sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)})
+    if args.json:
+        print(json.dumps(dict(registers=regs, local_bytes=spills, setmaxnreg=setmaxnreg, loop=dict(hist))))
+        return 0
     stores = collections.Counter(op + mods for op, mods in body if op in ("STS", "STSM"))
     print(f"{args.kernel} tile {bm}x{bn}x{bk} warps {args.warps} stages {args.stages}{' swap' if args.swap else ''}"
           f"{f' parts {args.parts}' if args.parts else ''}: "
           f"{len(body)} instructions a K step, {len(body) / per_thread:.2f} per weight element and thread; "
           f"{regs} registers, {spills} bytes of local memory")
     if args.kernel == "nvfp4-wgmma":            # setmaxnreg: the producer's warpgroup gives back, the consumers take
-        counts = sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)})
-        print(f"  consumers at {t.consumer_regs} registers (setmaxnreg counts in the code: {counts})")
+        print(f"  consumers at {t.consumer_regs} registers (setmaxnreg counts in the code: {setmaxnreg})")
     print("  " + ", ".join(f"{op} {n}" for op, n in hist.most_common(14)))
     if stores:
         print("  shared stores: " + ", ".join(f"{op} {n}" for op, n in stores.most_common()))
