@@ -91,10 +91,10 @@ MIN_K_MULTIPLE = 512
 # - 32 rows: 128 weight rows a program (two consumer warpgroups sharing x), a ring of 2 steps (68 KB), four parts
 #   at 72 registers: 65.0 / 131.7 against 65.7 / 146.2 (AW), 66.9 / 132.4 against 68.0 / 137.2 (AU). In two parts
 #   at 80 registers (2 programs an SM): 70.7 / 137.5 against 69.3 / 141.5 (AS); a ring of 3 (2 programs an SM,
-#   by shared memory): 69.5 / 134.0 against 64.7 / 138.8 (AV).
+#   by shared memory): 69.5 / 134.0 against 65.5 / 130.5 for these tiles (AV).
 # - 8 and 16 rows: 64 weight rows (one consumer warpgroup), rings of 3 and 2 steps, two parts: 51.9 / 99.2 and
 #   55.4 / 108.5 against 51.0 / 101.6 and 54.6 / 112.7 (AW). Rings of 4 and 3: 54.3 / 99.6 and 58.1 / 112.3
-#   against 50.9 / 99.3 and 54.9 / 111.2 (AV).
+#   against 51.9 / 98.8 and 56.4 / 109.7 for these tiles (AV).
 # The eleventh to fourteenth runs' single-role tiles lost with deeper rings too: more warps an SM beat more steps
 # in flight.
 TILES = {8: WgmmaTile(bn=64, warps=4, stages=3, parts=2, maxnreg=48),
@@ -262,6 +262,7 @@ def _consumer(full, empty, w_sm, s_sm, x_sm, nk, BN: gl.constexpr, BK: gl.conste
         cur = i % STAGES
         mbarrier.wait(full.index(cur), (i // STAGES) & 1)            # this step's copies landed
         sh = _halves(_word_scales(s_sm.index(cur).load(SCALES), BN, BK, WORDS), BN, BK, HALF_WORDS)
+        # the stage's [BN, BK/8] words as [BN, 4, 2, BK/64] (Gluon 3.6 has no public reshape of a shared buffer)
         halves = w_sm.index(cur)._reinterpret(gl.int32, [BN, 4, 2, BK // 64], W_HALVES)
         xs = x_sm.index(cur)
         for h in gl.static_range(2):

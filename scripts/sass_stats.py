@@ -155,7 +155,7 @@ def main() -> int:
     ap.add_argument("--tile", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K (default: 1,32,256 or 32,128,64)")
     ap.add_argument("--swap", action="store_true", help="the weight tile as the dot's first operand")
     ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--stages", type=int, default=None, help="default 3 (nvfp4-wgmma: the module's tile's)")
     ap.add_argument("--x-pass", action="store_true",
                     help="nvfp4-gemv: x paired by its own pass (`uses_x_pass`: the LM heads), not in the K loop; "
                          "fp8-gemm: x in fp16 from its own pass (`F16_DOT_MIN_ELEMENTS`), the dot in fp16; "
@@ -183,9 +183,10 @@ def main() -> int:
         bm = int(args.tile.split(",")[0]) if args.tile else 32
         t = wgmma.TILES[wgmma.block_m(bm)]
         bm, bn, bk = (int(v) for v in args.tile.split(",")) if args.tile else (32, t.bn, t.bk)
-        t = wgmma.WgmmaTile(bn=bn, bk=bk, warps=bn // 16, stages=args.stages if "--stages" in sys.argv else t.stages,
-                            parts=args.parts or t.parts, maxnreg=args.maxnreg or t.maxnreg)
+        t = wgmma.WgmmaTile(bn=bn, bk=bk, warps=bn // 16, stages=args.stages or t.stages, parts=args.parts or t.parts,
+                            maxnreg=args.maxnreg or t.maxnreg)
         args.warps, args.stages, args.parts, args.maxnreg = t.warps, t.stages, t.parts, t.maxnreg
+    args.stages = args.stages or 3
     if (args.kernel != "nvfp4-wgmma" and dot != (bm >= 16)) or (bm > 1 and not dot and args.kernel != "nvfp4-gemv"):
         ap.error(f"--tile {bm},{bn},{bk}: a gemm tile has BLOCK_M 16 or 32, a gemv tile BLOCK_M 1 (nvfp4-gemv: "
                  "up to 8, the GEMV of several rows)")
