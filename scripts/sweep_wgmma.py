@@ -11,12 +11,13 @@ bandwidth measured in the same run). The kernel runs on x's pairs made beforehan
 makes them), so only the GEMM is timed.
 
     python3 scripts/sweep_wgmma.py [--shapes lm_head_qwen,lm_head_glm] [--ms 2,4,8,16,32] [--rounds 2]
-        [--tiles 128x8w-3,64x4w-4,...] [--peer old.py [--peer-tiles 128x8w-2,64x4w-3,...]]
+        [--tiles 128x8w-3,64x4w-4,...] [--peer old.py [--peer new.py ...] [--peer-tiles 128x8w-2,64x4w-3,...]]
 
---peer times another version of the kernel's module beside this one, each with its own `TILES` (the
-planner's tile at each M), checked first like the tiles: e.g. the last commit's, made by
+--peer times another version of the kernel's module beside this one, with its own `TILES` (the planner's
+tile at each M), checked first like the tiles: e.g. the last commit's, made by
 `git show HEAD:kernels/gemm_nvfp4_wgmma.py > diag/old_wgmma.py` (the device takes untracked files along).
---peer-tiles times the peer at each of these tiles too (names from `TILES`), beside its own.
+Each --peer adds one, named by its file's stem. --peer-tiles times each peer at these tiles too (names from
+`TILES`), beside its own.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def wgmma_call(x: torch.Tensor, t: tuple, tile: WgmmaTile, out: torch.Tensor, la
 
 def load_peer(path: str):
     """The kernel module at `path` (another version of `gemm_nvfp4_wgmma.py`), importable by its jit."""
-    spec = importlib.util.spec_from_file_location("peer_gemm_nvfp4_wgmma", path)
+    spec = importlib.util.spec_from_file_location(f"peer_{path.rsplit('/', 1)[-1].removesuffix('.py')}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module              # dataclasses and Gluon's jit look the module up by name
     spec.loader.exec_module(module)
@@ -109,13 +110,17 @@ def main() -> int:
     ap.add_argument("--ms", default="2,4,8,16,32")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tiles", default=",".join(TILES))
-    ap.add_argument("--peer", help="another version of the kernel's module, timed beside this one")
-    ap.add_argument("--peer-tiles", default="", help="tiles (names from TILES) to time the peer at, beside its own")
+    ap.add_argument("--peer", action="append", default=[],
+                    help="another version of the kernel's module, timed beside this one (repeatable)")
+    ap.add_argument("--peer-tiles", default="", help="tiles (names from TILES) to time each peer at, beside its own")
     args = ap.parse_args()
-    peer = load_peer(args.peer) if args.peer else None
+    peers = {path.rsplit("/", 1)[-1].removesuffix(".py"): load_peer(path) for path in args.peer}
     ms = [int(v) for v in args.ms.split(",")]
     tiles = [t for t in args.tiles.split(",") if t]         # --tiles "" times the planner (and the peer) alone
-    peer_tiles = {"peer": None} | {f"peer {t}": TILES[t] for t in args.peer_tiles.split(",") if t} if peer else {}
+    # (peer's name, its module, the tile or None for its own planner's)
+    peer_tiles = [(name, peer, None) for name, peer in peers.items()]
+    peer_tiles += [(f"{name} {t}", peer, TILES[t]) for name, peer in peers.items()
+                   for t in args.peer_tiles.split(",") if t]
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; {torch.cuda.get_device_name()}")
     for shape in args.shapes.split(","):
@@ -135,7 +140,7 @@ def main() -> int:
                 print(f"{shape} {name:16s} M = {m:2d}: {verdict}")
                 if verdict != "ok":
                     failed.add((name, m))
-        for (name, tile), m in itertools.product(peer_tiles.items(), ms):
+        for (name, peer, tile), m in itertools.product(peer_tiles, ms):
             verdict = check(xs[m], first, tile or peer.TILES[peer.block_m(m)], peer.gemm_nvfp4_wgmma)
             print(f"{shape} {name:16s} M = {m:2d}: {verdict}")
             if verdict != "ok":
@@ -143,7 +148,7 @@ def main() -> int:
         outs = {m: torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for m in xs}
         variants = {f"planner M={m}": [planner_call(xs[m], t) for t in copies] for m in [1] + ms}
         variants |= {f"Triton M={m}": [planner_call(xs[m], t, wgmma=False) for t in copies] for m in ms}
-        for (name, tile), m in itertools.product(peer_tiles.items(), ms):
+        for (name, peer, tile), m in itertools.product(peer_tiles, ms):
             if (name, m) not in failed:
                 variants[f"{name} M={m}"] = [wgmma_call(xs[m], t, tile or peer.TILES[peer.block_m(m)], outs[m],
                                                         peer.gemm_nvfp4_wgmma) for t in copies]
