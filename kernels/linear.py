@@ -92,7 +92,9 @@ class TileTable:
     BLOCK_N down to 1 / `min_block_n_dot`). Split-K then adds K slices while the N tiles are fewer than one
     per SM (GEMV) or `dot_programs` (at most 8 slices). BLOCK_K counts weight elements. The values are the
     fastest of the H200 sweeps of 2026-12-02 and -03 (`scripts/tune_gemv.py`: CUDA graphs, weights rotated
-    past the L2) at 151936 x 2048, 8192 x 2048 and 2048 x 4096."""
+    past the L2) at 151936 x 2048, 8192 x 2048 and 2048 x 4096. `tma`: the TMA kernel's tile at M = 2-32 for
+    weights of `TMA_MIN_N` rows up to the last count whose `m32` tiles get fewer rows (None: the format has no
+    TMA kernel)."""
     m1: Tile
     m16: Tile
     m32: Tile
@@ -105,13 +107,9 @@ class TileTable:
     dot_programs: int = 256
     min_block_k: int = 16                       # the smallest BLOCK_K: a GPU tl.dot needs K >= 16
     min_block_n_dot: int = 32
+    tma: Tile | None = None
 
 
-TILES_16BIT = TileTable(m1=Tile(2, 1024), m16=Tile(128, 128), m32=Tile(128, 128))
-# FP8 with the NVFP4 rules (64-row swapped tiles at M = 32, 16-row tiles on small weights) ran slower on 5
-# of the 10 M = 8 / 32 shapes of the 2026-12-03 benchmark (2048 x 4096, M = 8: 9.7 against 7.6 us): kept.
-TILES_FP8 = TileTable(m1=Tile(16, 256), m16=Tile(64, 256), m32=Tile(128, 128))
-_MAX_SPLITS = 8
 # 16-bit weights of TMA_MIN_N rows up to TMA_MAX_N (where `TILES_16BIT`'s dot tiles have fewer than 128 rows)
 # run at M = 2-32 on the TMA kernel, on TMA_TILE, where the GPU has TMA (sm_90 on) and the operands' layout
 # lets it (`tma_refusal`). H200, one process, 3 alternating rounds (BENCHMARKS.md, thirteenth run AD): 8192 x
@@ -120,6 +118,11 @@ _MAX_SPLITS = 8
 # tiles 11.24-11.49, 64 x 64 ones 11.44-13.57 at 4-6 stages. On 151936 x 2048 the two Triton kernels were
 # within 1% (the pointer dot ahead at M <= 16), and on 512 x 2048 (8 tiles) the TMA kernel was behind.
 TMA_TILE = Tile(64, 128, warps=4, stages=4)
+TILES_16BIT = TileTable(m1=Tile(2, 1024), m16=Tile(128, 128), m32=Tile(128, 128), tma=TMA_TILE)
+# FP8 with the NVFP4 rules (64-row swapped tiles at M = 32, 16-row tiles on small weights) ran slower on 5
+# of the 10 M = 8 / 32 shapes of the 2026-12-03 benchmark (2048 x 4096, M = 8: 9.7 against 7.6 us): kept.
+TILES_FP8 = TileTable(m1=Tile(16, 256), m16=Tile(64, 256), m32=Tile(128, 128))
+_MAX_SPLITS = 8
 TMA_MIN_N, TMA_MAX_N = 8192, (TILES_16BIT.min_tiles_dot - 1) * TILES_16BIT.m32.block_n
 TMA = True                  # False plans without the TMA kernel (benchmarks compare the two in one process)
 
@@ -147,11 +150,12 @@ def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16B
     shrinks to K (rounded up to a power of two, at least `tiles.min_block_k`); `split_k` adds K slices
     where the N tiles alone leave SMs idle. M up to `tiles.max_gemv_m` runs as a GEMV on the CUDA cores
     (block_m M rounded up to a power of two), larger M on the tensor cores. `tma` (the call can run the TMA
-    kernel: `tma_refusal` is None): 16-bit weights of `TMA_MIN_N` to `TMA_MAX_N` rows take `TMA_TILE` there."""
+    kernel: `tma_refusal` is None): weights of `TMA_MIN_N` rows up to the last count whose `m32` tiles get
+    fewer rows take `tiles.tma` there, where the table has one (16-bit weights: `TMA_TILE`, up to `TMA_MAX_N`)."""
     bm = 1 << (m - 1).bit_length() if m <= tiles.max_gemv_m else _block_m(m)
     gemv = bm < 16
-    if tma and not gemv and tiles is TILES_16BIT and TMA_MIN_N <= n <= TMA_MAX_N:
-        t = TMA_TILE
+    if tma and not gemv and tiles.tma and TMA_MIN_N <= n <= (tiles.min_tiles_dot - 1) * tiles.m32.block_n:
+        t = tiles.tma
         return make_plan(m, n, k, t.block_n, t.block_k, block_m=bm, num_warps=t.warps, num_stages=t.stages,
                          tma=True)
     tile = (tiles.m1 if bm == 1 else tiles.rows or tiles.m1) if gemv else tiles.m16 if bm == 16 else tiles.m32
