@@ -93,8 +93,7 @@ class TileTable:
     per SM (GEMV) or `dot_programs` (at most 8 slices). BLOCK_K counts weight elements. The values are the
     fastest of the H200 sweeps of 2026-12-02 and -03 (`scripts/tune_gemv.py`: CUDA graphs, weights rotated
     past the L2) at 151936 x 2048, 8192 x 2048 and 2048 x 4096. `tma`: the TMA kernel's tile at M = 2-32 for
-    weights of `TMA_MIN_N` rows up to the last count whose `m32` tiles get fewer rows (None: the format has no
-    TMA kernel)."""
+    weights of `TMA_MIN_N` to `tma_max_n` rows (None: the format has no TMA kernel)."""
     m1: Tile
     m16: Tile
     m32: Tile
@@ -108,6 +107,11 @@ class TileTable:
     min_block_k: int = 16                       # the smallest BLOCK_K: a GPU tl.dot needs K >= 16
     min_block_n_dot: int = 32
     tma: Tile | None = None
+
+    @property
+    def tma_max_n(self) -> int:
+        """The most rows a weight can have and still take `tma`: the last count whose `m32` tiles get fewer rows."""
+        return (self.min_tiles_dot - 1) * self.m32.block_n
 
 
 # 16-bit weights of TMA_MIN_N rows up to TMA_MAX_N (where `TILES_16BIT`'s dot tiles have fewer than 128 rows)
@@ -123,7 +127,7 @@ TILES_16BIT = TileTable(m1=Tile(2, 1024), m16=Tile(128, 128), m32=Tile(128, 128)
 # of the 10 M = 8 / 32 shapes of the 2026-12-03 benchmark (2048 x 4096, M = 8: 9.7 against 7.6 us): kept.
 TILES_FP8 = TileTable(m1=Tile(16, 256), m16=Tile(64, 256), m32=Tile(128, 128))
 _MAX_SPLITS = 8
-TMA_MIN_N, TMA_MAX_N = 8192, (TILES_16BIT.min_tiles_dot - 1) * TILES_16BIT.m32.block_n
+TMA_MIN_N, TMA_MAX_N = 8192, TILES_16BIT.tma_max_n
 TMA = True                  # False plans without the TMA kernel (benchmarks compare the two in one process)
 
 
@@ -150,11 +154,11 @@ def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16B
     shrinks to K (rounded up to a power of two, at least `tiles.min_block_k`); `split_k` adds K slices
     where the N tiles alone leave SMs idle. M up to `tiles.max_gemv_m` runs as a GEMV on the CUDA cores
     (block_m M rounded up to a power of two), larger M on the tensor cores. `tma` (the call can run the TMA
-    kernel: `tma_refusal` is None): weights of `TMA_MIN_N` rows up to the last count whose `m32` tiles get
-    fewer rows take `tiles.tma` there, where the table has one (16-bit weights: `TMA_TILE`, up to `TMA_MAX_N`)."""
+    kernel: `tma_refusal` is None): weights of `TMA_MIN_N` to `tiles.tma_max_n` rows take `tiles.tma` there,
+    where the table has one (16-bit weights: `TMA_TILE`, up to `TMA_MAX_N`)."""
     bm = 1 << (m - 1).bit_length() if m <= tiles.max_gemv_m else _block_m(m)
     gemv = bm < 16
-    if tma and not gemv and tiles.tma and TMA_MIN_N <= n <= (tiles.min_tiles_dot - 1) * tiles.m32.block_n:
+    if tma and not gemv and tiles.tma and TMA_MIN_N <= n <= tiles.tma_max_n:
         t = tiles.tma
         return make_plan(m, n, k, t.block_n, t.block_k, block_m=bm, num_warps=t.warps, num_stages=t.stages,
                          tma=True)

@@ -73,9 +73,9 @@ def main() -> int:
             figures = {}
             for mode in MODES:
                 def run():
-                    _overlap_kernel[(grid,)](out, ITERS, 0x3C003C00, BM=bm, DECODE=mode != "wgmma", MMA=mode != "decode",
-                                             WORDS=lay["QUARTER_WORDS"], ACC=lay["ACC"], A_OP=lay["A_OP"],
-                                             B_FILL=fill, num_warps=4, maxnreg=80)
+                    _overlap_kernel[(grid,)](out, ITERS, 0x3C003C00, BM=bm, DECODE=mode != "wgmma",
+                                             MMA=mode != "decode", WORDS=lay["QUARTER_WORDS"], ACC=lay["ACC"],
+                                             A_OP=lay["A_OP"], B_FILL=fill, num_warps=4, maxnreg=80)
                 run()
                 torch.cuda.synchronize()
                 ms = triton.testing.do_bench(run, warmup=10, rep=100)

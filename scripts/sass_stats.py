@@ -50,6 +50,16 @@ _DIVISIBLE = _PTRS + ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride
 _UNIT = ("stride_xk", "stride_on")          # Triton's launcher specializes an integer argument equal to 1
 
 
+def load_peer(path: str):
+    """Another version of the wgmma kernel's module, from the file at `path` (a scratch peer), as module
+    `peer_<the file's stem>`: registered under that name, as dataclasses and Gluon's jit look it up."""
+    spec = importlib.util.spec_from_file_location(f"peer_{os.path.basename(path).removesuffix('.py')}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
     """Each argument of `fn`: its type from `types`, i32 for sizes and strides, constexpr for the rest."""
     return {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
@@ -173,10 +183,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.module:
         global wgmma
-        spec = importlib.util.spec_from_file_location("peer_gemm_nvfp4_wgmma", args.module)
-        wgmma = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = wgmma           # Gluon's jit looks the module up by name
-        spec.loader.exec_module(wgmma)
+        wgmma = load_peer(args.module)
     dot = args.kernel.endswith("gemm") or args.kernel.endswith("wgmma")
     bm, bn, bk = (int(v) for v in (args.tile or ("32,128,64" if dot else "1,32,256")).split(","))
     if args.kernel == "nvfp4-wgmma":            # the module's tile for the rows (32 unless --tile), or as given

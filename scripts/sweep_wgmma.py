@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import itertools
 import statistics
 import sys
@@ -39,6 +38,7 @@ from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
 linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import MIN_CALLS, ROTATE_BYTES, SHAPES, copy_bandwidth, weight_bytes  # noqa: E402
+from sass_stats import load_peer  # noqa: E402
 from tune_gemv import time_us  # noqa: E402
 
 TILES = {  # name: rows a program, consumer warps, ring stages (K steps of 256: `ORDER`), -pN: the steps in N parts,
@@ -66,15 +66,6 @@ def wgmma_call(x: torch.Tensor, t: tuple, tile: WgmmaTile, out: torch.Tensor, la
     weight, scale, scale_2 = t
     words, bits, s2 = weight.view(torch.int32), scale.view(torch.uint8), scale_2.reshape(1)
     return lambda: launch(x16, exps, words, bits, s2, out, False, tile)
-
-
-def load_peer(path: str):
-    """The kernel module at `path` (another version of `gemm_nvfp4_wgmma.py`), importable by its jit."""
-    spec = importlib.util.spec_from_file_location(f"peer_{path.rsplit('/', 1)[-1].removesuffix('.py')}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module              # dataclasses and Gluon's jit look the module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def planner_call(x: torch.Tensor, t: tuple, wgmma: bool = True):
@@ -114,7 +105,7 @@ def main() -> int:
                     help="another version of the kernel's module, timed beside this one (repeatable)")
     ap.add_argument("--peer-tiles", default="", help="tiles (names from TILES) to time each peer at, beside its own")
     args = ap.parse_args()
-    peers = {path.rsplit("/", 1)[-1].removesuffix(".py"): load_peer(path) for path in args.peer}
+    peers = {peer.__name__.removeprefix("peer_"): peer for peer in map(load_peer, args.peer)}
     ms = [int(v) for v in args.ms.split(",")]
     tiles = [t for t in args.tiles.split(",") if t]         # --tiles "" times the planner (and the peer) alone
     # (peer's name, its module, the tile or None for its own planner's)
