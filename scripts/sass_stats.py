@@ -108,7 +108,8 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
 def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
                  maxnreg: int | None = None) -> tuple[str, int, int]:
     """(the disassembly, registers a thread at launch, bytes of local memory a thread: spills) of `fn` compiled
-    for sm_90, at most `maxnreg` registers a thread where given (as the launch's option)."""
+    for sm_90, at most `maxnreg` registers a thread where given (as the launch's option). The local bytes count
+    the stack frame too: ptxas puts a warp-specialized kernel's spills there (STACK), with LOCAL 0."""
     constexprs = {**{a: 1 for a in _UNIT if a in fn.arg_names}, **constexprs}
     sig = _signature(fn, types, constexprs)
     names = list(sig)
@@ -126,7 +127,8 @@ def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, nu
                               check=True).stdout
         usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", path],
                                capture_output=True, text=True, check=True).stdout
-    return sass, int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    return sass, int(re.search(r"REG:(\d+)", usage).group(1)), sum(int(re.search(rf"{kind}:(\d+)", usage).group(1))
+                                                                  for kind in ("LOCAL", "STACK"))
 
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)")

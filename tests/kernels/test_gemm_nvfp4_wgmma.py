@@ -105,16 +105,10 @@ def test_tiles_it_cannot_run_are_refused():
     assert [block_m(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
 
 
-@pytest.mark.parametrize("bm", [8, 16, 32])
-def test_planned_tiles_fit_their_registers_without_spilling_or_serializing(bm):
-    """Each planned tile's registers are its choice (`WgmmaTile.maxnreg`: 3 programs of 12 warps an SM at 32 rows,
-    5 of 8 at 8 and 16), and nothing in the source keeps the consumers inside the 72 that leaves them: a
-    scheduler that hoisted a part's decode above the last part's wgmma would spill, or ptxas would wait on each
-    wgmma on its own (at 72 registers the 32-row tile did both in two parts). So scripts/sass_stats.py compiles
-    the tiles for sm_90 (Triton's own ptxas, no GPU), in a process of its own: Triton's interpreter, once it has
+def _sass_stats(*args: str) -> dict:
+    """scripts/sass_stats.py nvfp4-wgmma ARGS --json, in a process of its own: Triton's interpreter, once it has
     run in a process, leaves a patched builder behind that breaks Gluon compiles there (cold cache only: it
-    failed the old in-process version of this test now and then). Checked: no local memory, the launch and
-    setmaxnreg counts the tile's, and one wgmma batch (an arrive and a wait) a part in the K loop."""
+    failed the old in-process version of the register test now and then)."""
     import json
     import os
     import pathlib
@@ -122,13 +116,34 @@ def test_planned_tiles_fit_their_registers_without_spilling_or_serializing(bm):
     import sys
     script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "sass_stats.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    t = TILES[bm]
-    run = subprocess.run([sys.executable, str(script), "nvfp4-wgmma", "--tile", f"{bm},{t.bn},{t.bk}", "--json"],
+    run = subprocess.run([sys.executable, str(script), "nvfp4-wgmma", *args, "--json"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout)
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("bm", [8, 16, 32])
+def test_planned_tiles_fit_their_registers_without_spilling_or_serializing(bm):
+    """Each planned tile's registers are its choice (`WgmmaTile.maxnreg`: 3 programs of 12 warps an SM at 32 rows,
+    5 of 8 at 8 and 16), and nothing in the source keeps the consumers inside the 72 that leaves them: a
+    scheduler that hoisted a part's decode above the last part's wgmma would spill, or ptxas would wait on each
+    wgmma on its own (at 72 registers the 32-row tile did both in two parts). So scripts/sass_stats.py compiles
+    the tiles for sm_90 (Triton's own ptxas, no GPU). Checked: no local memory (the stack frame included, where
+    this kernel's spills go), the launch and setmaxnreg counts the tile's, and one wgmma batch (an arrive and a
+    wait) a part in the K loop."""
+    t = TILES[bm]
+    got = _sass_stats("--tile", f"{bm},{t.bn},{t.bk}")
     assert (got["registers"], got["local_bytes"], got["setmaxnreg"]) == (t.maxnreg, 0, [24, t.consumer_regs]), got
     assert got["loop"]["HGMMA"] == t.bk // 16 and got["loop"]["WARPGROUP"] == 2 * t.parts, got["loop"]
+
+
+def test_register_check_sees_a_spill():
+    """The check above can fail: the 32-row tile in two parts at the same 72 consumer registers spills (to the
+    stack frame, which cuobjdump counts apart from LOCAL; sass_stats counted LOCAL alone before, and called this
+    tile spill-free) and serializes its wgmmas."""
+    got = _sass_stats("--tile", f"32,{TILES[32].bn},{TILES[32].bk}", "--parts", "2")
+    assert got["local_bytes"] > 0 and got["loop"]["STL"] > 0, got
+    assert got["loop"]["WARPGROUP"] > 2 * 2, got["loop"]
 
 
 def test_wgmma_refuses_k_and_operands_its_tma_cannot_read():
