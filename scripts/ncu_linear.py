@@ -8,6 +8,9 @@ On the device (after `GPU_TESTS=0 BENCH=0 bash scripts/device_run.sh` installed 
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         --section SchedulerStats --section MemoryWorkloadAnalysis \\
         python3 -P scripts/ncu_linear.py --format nvfp4 --shape lm_head_qwen --m 32
+
+--peer FILE profiles another version of the wgmma kernel's module instead (a scratch file, as
+`sweep_wgmma.py --peer` times one), at its own tile for M, on x's pass made beforehand.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from mtpfactory.kernels.linear_nvfp4 import linear_nvfp4_triton
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import SHAPES, formats  # noqa: E402
+from sass_stats import load_peer  # noqa: E402
+from sweep_wgmma import wgmma_call  # noqa: E402
 
 
 def main() -> int:
@@ -31,7 +36,10 @@ def main() -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="lm_head_qwen")
     ap.add_argument("--m", type=int, default=32)
     ap.add_argument("--tile", default=None, help="BLOCK_M,BLOCK_N,BLOCK_K,num_stages (default: the planned tiles)")
+    ap.add_argument("--peer", default=None, help="another version of the wgmma kernel's module (nvfp4, M >= 2)")
     args = ap.parse_args()
+    if args.peer and (args.format != "nvfp4" or args.tile or args.m < 2):
+        ap.error("--peer profiles the NVFP4 wgmma kernel's peer at its own tile: --format nvfp4, M >= 2, no --tile")
     n, k = SHAPES[args.shape]
     w = formats(n, k, 1)[args.format][0]
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
@@ -42,6 +50,10 @@ def main() -> int:
     call = {"bf16": lambda: linear_triton(x, w, plan=plan),
             "fp8": lambda: linear_fp8_triton(x, *w, plan=plan),
             "nvfp4": lambda: linear_nvfp4_triton(x, *w, plan=plan)}[args.format]
+    if args.peer:
+        peer = load_peer(args.peer)
+        out = torch.empty(args.m, n, device="cuda", dtype=torch.bfloat16)
+        call = wgmma_call(x, w, peer.TILES[peer.block_m(args.m)], out, peer.gemm_nvfp4_wgmma)
     call()
     torch.cuda.synchronize()
     call()
