@@ -138,9 +138,9 @@ def test_planned_tiles_fit_their_registers_without_spilling_or_serializing(bm):
 
 
 def test_register_check_sees_a_spill():
-    """The check above can fail: the 32-row tile in two parts at the same 72 consumer registers spills (to the
-    stack frame, which cuobjdump counts apart from LOCAL; sass_stats counted LOCAL alone before, and called this
-    tile spill-free) and serializes its wgmmas."""
+    """The check above can fail: the 32-row tile in two parts at the same 72 consumer registers spills and
+    serializes its wgmmas. Its spill lands in the stack frame, which cuobjdump counts apart from LOCAL (LOCAL is
+    0 here), so this also checks that sass_stats counts both."""
     got = _sass_stats("--tile", f"32,{TILES[32].bn},{TILES[32].bk}", "--parts", "2")
     assert got["local_bytes"] > 0 and got["loop"]["STL"] > 0, got
     assert got["loop"]["WARPGROUP"] > 2 * 2, got["loop"]
