@@ -48,7 +48,6 @@ TILES = {  # name: rows a program, consumer warps, ring stages (K steps of 256: 
     "128x8w-2-p2-r64": WgmmaTile(stages=2, parts=2, maxnreg=64),
     "128x8w-3-p2-r64": WgmmaTile(stages=3, parts=2, maxnreg=64),
     "128x8w-3-p4-r80": WgmmaTile(stages=3, parts=4, maxnreg=80),
-    "128x8w-4-p4-r80": WgmmaTile(stages=4, parts=4, maxnreg=80),
     "64x4w-2-p2-r48": WgmmaTile(bn=64, warps=4, stages=2, parts=2, maxnreg=48),
     "64x4w-3-p2-r48": WgmmaTile(bn=64, warps=4, stages=3, parts=2, maxnreg=48),
     "64x4w-4-p2-r48": WgmmaTile(bn=64, warps=4, stages=4, parts=2, maxnreg=48),
