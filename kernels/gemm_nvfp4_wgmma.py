@@ -97,7 +97,8 @@ MIN_K_MULTIPLE = 512
 #   55.4 / 108.5 against 51.0 / 101.6 and 54.6 / 112.7 (AW). Rings of 4 and 3: 54.3 / 99.6 and 58.1 / 112.3
 #   against 51.9 / 98.8 and 56.4 / 109.7 for these tiles (AV).
 # The eleventh to fourteenth runs' single-role tiles lost with deeper rings too: more warps an SM beat more steps
-# in flight.
+# in flight. Programs that stay resident (persistent, tiles pid, pid + G, ...) ran 3-7% slower at every M, and one
+# program an SM of 6 consumer partitions (a ring of 3) lost to the instruction cache (seventeenth run).
 TILES = {8: WgmmaTile(bn=64, warps=4, stages=3, parts=2, maxnreg=48),
          16: WgmmaTile(bn=64, warps=4, stages=2, parts=2, maxnreg=48),
          32: WgmmaTile(bn=128, warps=8, stages=2, parts=4, maxnreg=56)}
