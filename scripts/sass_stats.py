@@ -189,9 +189,9 @@ def main() -> int:
     dot = args.kernel.endswith("gemm") or args.kernel.endswith("wgmma")
     bm, bn, bk = (int(v) for v in (args.tile or ("32,128,64" if dot else "1,32,256")).split(","))
     if args.kernel == "nvfp4-wgmma":            # the module's tile for the rows (32 unless --tile), or as given
-        bm = int(args.tile.split(",")[0]) if args.tile else 32
-        t = wgmma.TILES[wgmma.block_m(bm)]
-        bm, bn, bk = (int(v) for v in args.tile.split(",")) if args.tile else (32, t.bn, t.bk)
+        t = wgmma.TILES[wgmma.block_m(bm if args.tile else 32)]
+        if not args.tile:
+            bm, bn, bk = 32, t.bn, t.bk
         t = wgmma.WgmmaTile(bn=bn, bk=bk, warps=bn // 16, stages=args.stages or t.stages, parts=args.parts or t.parts,
                             maxnreg=args.maxnreg or t.maxnreg)
         args.warps, args.stages, args.parts, args.maxnreg = t.warps, t.stages, t.parts, t.maxnreg
@@ -208,7 +208,7 @@ def main() -> int:
     body = loop_body(sass)
     per_thread = bn * bk / (32 * args.warps)                         # weight elements per thread per iteration
     hist = collections.Counter(op for op, _ in body)
-    setmaxnreg = sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)})
+    setmaxnreg = sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)})
     if args.json:
         print(json.dumps(dict(registers=regs, local_bytes=spills, setmaxnreg=setmaxnreg, loop=dict(hist))))
         return 0

@@ -4,10 +4,10 @@ with the wgmma kernel switched off ("Triton", `linear_nvfp4.WGMMA = False`) and 
 
 Each tile is first checked on the first weight copy against the reference (fp32 out: |out - ref| <= 1e-5 *
 sum|x||w| + 1e-6 |ref|; a fragment on the wrong K position misses by O(sum|x||w|)); a tile that fails, or
-that does not compile, fit or launch, is reported and not timed. Then rounds: every (tile, M) and the planner's calls timed in a CUDA graph of
-MIN_CALLS calls over weight copies past the L2, the order reversed every other round (the power cap slows
-whichever runs after a heavy launch), each time beside its floor (the packed weights and scales over the copy
-bandwidth measured in the same run). The kernel runs on x's pairs made beforehand (as the heads' final norm
+that does not compile, fit or launch, is reported and not timed. Then rounds: every (tile, M) and the
+planner's calls timed in a CUDA graph of MIN_CALLS calls over weight copies past the L2, the order reversed
+every other round (the power cap slows whichever runs after a heavy launch), each time beside its floor (the
+packed weights and scales over the copy bandwidth measured in the same run). The kernel runs on x's pairs made beforehand (as the heads' final norm
 makes them), so only the GEMM is timed.
 
     python3 scripts/sweep_wgmma.py [--shapes lm_head_qwen,lm_head_glm] [--ms 2,4,8,16,32] [--rounds 2]
