@@ -60,20 +60,23 @@ def _quantize_store(x_ptr, c_ptr, s_ptr, row, blk, off, s_xn, s_xh, s_xd, s_cb, 
         x = tl.math.div_rn(x, s[:, None])
         tl.store(s_ptr + blk * s_sb + off * s_st + h * s_sh, s, mask=h_mask)
     x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
-    tl.store(c_ptr + blk * s_cb + off * s_ct + h[:, None] * s_ch + d[None, :] * s_cd, e4m3_rne_bits(x).to(tl.uint8), mask=mask)
+    dst = c_ptr + blk * s_cb + off * s_ct + h[:, None] * s_ch + d[None, :] * s_cd
+    tl.store(dst, e4m3_rne_bits(x).to(tl.uint8), mask=mask)
 
 
 @triton.jit
 def _reshape_and_cache_fp8_kernel(
-        k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slots_ptr, block_size,
+        k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slots_ptr, block_size, n_slots,
         s_kn, s_kh, s_kd, s_vn, s_vh, s_vd,
         s_kcb, s_kct, s_kch, s_kcd, s_vcb, s_vct, s_vch, s_vcd,
         s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh,
         KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr):
-    """One program per row: all KV heads of K and of V."""
+    """One program per row: all KV heads of K and of V. A negative slot counts from the end, as the
+    reference's indexing does (Triton's // and % round toward zero, so it must be wrapped first)."""
     row = tl.program_id(0)
     slot = tl.load(slots_ptr + row).to(tl.int64)
+    slot = tl.where(slot < 0, slot + n_slots, slot)
     blk = slot // block_size
     off = slot % block_size
     _quantize_store(k_ptr, kc_ptr, ks_ptr, row, blk, off, s_kn, s_kh, s_kd, s_kcb, s_kct, s_kch, s_kcd,
@@ -85,7 +88,8 @@ def _reshape_and_cache_fp8_kernel(
 def reshape_and_cache_fp8_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slots: torch.Tensor, k_scale: torch.Tensor | None = None,
                                  v_scale: torch.Tensor | None = None) -> None:
-    """The Triton provider; same arguments as the reference. In place."""
+    """The Triton provider; same arguments as the reference. In place. Slots in
+    [-blocks * block_size, blocks * block_size) (not checked on the device)."""
     n, hkv, d = k.shape
     if n == 0:
         return
@@ -93,7 +97,7 @@ def reshape_and_cache_fp8_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torc
     ks = k_scale if k_scale is not None else kc  # a placeholder pointer when absent
     vs = v_scale if v_scale is not None else vc
     _reshape_and_cache_fp8_kernel[(n,)](
-        k, v, kc, vc, ks, vs, slots, k_cache.shape[1],
+        k, v, kc, vc, ks, vs, slots.contiguous(), k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1],
         *k.stride(), *v.stride(), *kc.stride(), *vc.stride(),
         *(k_scale.stride() if k_scale is not None else (0, 0, 0)),
         *(v_scale.stride() if v_scale is not None else (0, 0, 0)),
@@ -114,7 +118,7 @@ def _triton_supports(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None) 
     for s in (k_scale, v_scale):
         if s is not None and (s.dtype != torch.float32 or s.shape != k_cache.shape[:3]):
             return False
-    return slots.dim() == 1 and slots.shape[0] == k.shape[0] and not slots.dtype.is_floating_point
+    return slots.dim() == 1 and slots.shape[0] == k.shape[0] and slots.dtype in (torch.int32, torch.int64)
 
 
 reshape_and_cache_fp8 = Op("reshape_and_cache_fp8", _reshape_and_cache_fp8_native)

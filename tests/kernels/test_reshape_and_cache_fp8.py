@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
+from mtpfactory.errors import ConfigError
 from mtpfactory.kernels.reshape_and_cache_fp8 import reshape_and_cache_fp8
 
 FP8 = torch.float8_e4m3fn
@@ -109,6 +110,7 @@ def test_triton_matches_reference_bitwise(dtype, k_scaled, v_scaled, n, h, d, bs
     v = (torch.randn(n, h, d, generator=gen) * mag.flip(0)).to(dtype)
     k[n // 2, 0] = 0
     slots = torch.randperm(nb * bs, generator=gen)[:n]
+    slots[::2] -= nb * bs  # the same slots counted from the end
     args = (k, v, slots, nb, bs, k_scaled, v_scaled)
     _assert_same(_run("triton", *args), _run("native", *args))
 
@@ -117,9 +119,28 @@ def test_triton_strided_inputs_and_int32_slots():
     gen = torch.Generator().manual_seed(3)
     big = torch.randn(4, 2, 2 * 24, generator=gen) * 50
     k, v = big[..., :24], big[..., 24:]  # views with row stride 96, as a fused projection would give
-    slots = torch.tensor([9, 0, 14, 3], dtype=torch.int32)
+    slots = torch.tensor([[9, 0], [-16, 0], [14, 0], [-13, 0]], dtype=torch.int32)[:, 0]  # strided: stride 2
     args = (k, v, slots, 4, 4, True, False)
     _assert_same(_run("triton", *args), _run("native", *args))
+
+
+def test_triton_slot_minus_one_is_the_last_slot_and_nothing_before_the_cache_is_written():
+    k = torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(4))
+    guarded = [_fp8_cache(2 * 3, 2, 1, 16) for _ in range(2)]  # blocks 2, 3 are the cache; the rest guard it
+    kc, vc = (g[2:4] for g in guarded)
+    with ops.use_backend("triton"):
+        reshape_and_cache_fp8(k, -k, kc, vc, torch.tensor([-1, 0]))
+    want = _run("native", k, -k, torch.tensor([3, 0]), 2, 2, False, False)
+    _assert_same((kc.view(torch.uint8), vc.view(torch.uint8)), want[:2])
+    for g in guarded:
+        assert (g[:2].view(torch.uint8) == NAN_CODE).all() and (g[4:].view(torch.uint8) == NAN_CODE).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8])
+def test_triton_refuses_slots_that_torch_would_read_as_a_mask(dtype):
+    k = torch.randn(2, 1, 16)
+    with ops.use_backend("triton"), pytest.raises(ConfigError, match="reshape_and_cache_fp8"):
+        reshape_and_cache_fp8(k, k, _fp8_cache(2, 2, 1, 16), _fp8_cache(2, 2, 1, 16), torch.ones(2, dtype=dtype))
 
 
 # --- GPU: realistic shapes, the hardware cast in torch's reference against the kernel's integer rounding
