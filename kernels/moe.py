@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import e4m3_value
 from mtpfactory.ops import Op, triton_can_run
 from mtpfactory.quant import dequantize_nvfp4
@@ -73,6 +74,7 @@ def _moe_native(x: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, tor
     dtype (so each expert's output is rounded to x's dtype); the output is weighted by its fp32 routing
     weight and accumulated in fp32; sigmoid(shared_gate) * shared_out is added in fp32; one final
     rounding to x's dtype."""
+    _check_shared(shared_out, shared_gate)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)    # [N, H]
     for e in torch.unique(topk_ids).tolist():
         rows, slot = torch.nonzero(topk_ids == e, as_tuple=True)
@@ -82,8 +84,6 @@ def _moe_native(x: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, tor
         h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = torch.nn.functional.linear(h, w_down)                         # [n, H]
         out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None].float())
-    if (shared_out is None) != (shared_gate is None):
-        raise ValueError("fused MoE: pass shared_out and shared_gate together, or neither")
     if shared_out is not None:
         out += torch.sigmoid(shared_gate.float()) * shared_out.float()   # [N, 1] * [N, H]
     return out.to(x.dtype)
@@ -123,6 +123,28 @@ def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: 
         return torch.cat([gate, up]), down                                # [2I, H], [H, I]
 
     return _moe_native(x, expert, topk_weights, topk_ids, shared_out, shared_gate)
+
+
+def _check_shared(shared_out: torch.Tensor | None, shared_gate: torch.Tensor | None) -> None:
+    if (shared_out is None) != (shared_gate is None):
+        given = "shared_out" if shared_gate is None else "shared_gate"
+        raise InputError("shared_out, shared_gate", f"only {given} given",
+                         "the shared-expert blend takes both together, or neither",
+                         "pass the shared expert's output with its gate logits, or drop both")
+
+
+def _check_buffer(field: str, t: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor,
+                  rows_strided: bool = False) -> None:
+    """Refuse a caller's buffer that is not `shape` in `like`'s dtype on its device, contiguous (with
+    `rows_strided`, contiguous along the last dim only: the kernel steps between rows by their stride)."""
+    if t is None:
+        return
+    if (tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device
+            or not (t.stride(-1) == 1 if rows_strided else t.is_contiguous())):
+        layout = "its last dim contiguous" if rows_strided else "contiguous"
+        raise InputError(field, f"{tuple(t.shape)} {t.dtype} {t.device} strides {t.stride()}",
+                         f"must be {list(shape)} {like.dtype} on {like.device}, {layout}",
+                         f"allocate it as the result is, or leave {field}=None")
 
 
 moe_route_softmax = Op("moe_route_softmax", _moe_route_softmax_native)
@@ -429,12 +451,13 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     w_gu, s_gu, g_gu, w_dn, s_dn, g_dn = tensors
     n, hidden = x.shape
     top_k = topk_ids.shape[1]
-    if (shared_out is None) != (shared_gate is None):
-        raise ValueError("fused MoE: pass shared_out and shared_gate together, or neither")
-    out = torch.empty_like(x) if out is None else out
+    _check_shared(shared_out, shared_gate)
+    _check_buffer("out", out, (n, hidden), x, rows_strided=True)
+    _check_buffer("workspace", workspace, (n * top_k, inter), x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device) if out is None else out
     if n == 0:
         return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     tw = topk_weights.to(torch.float32).contiguous()
     h = workspace if workspace is not None else torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)

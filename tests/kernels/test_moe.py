@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError
+from mtpfactory.errors import ConfigError, InputError
 from mtpfactory.kernels import moe
 from mtpfactory.quant import E2M1_VALUES
 
@@ -208,7 +208,7 @@ def test_shared_blend_needs_both_arguments():
     x = torch.randn(2, 32)
     w_gate_up, w_down = experts(4, 32, 32, torch.float32, torch.Generator().manual_seed(0))
     weights, ids = torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64)
-    with pytest.raises(ValueError, match="together"):
+    with pytest.raises(InputError, match="together"):
         moe.fused_moe(x, w_gate_up, w_down, weights, ids, shared_out=x)
 
 
@@ -268,6 +268,44 @@ def test_fused_moe_triton_fp16_and_strided_rows():
     got, want = run_both(moe.fused_moe, x, dict(w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights,
                                                 topk_ids=ids), blend, k, i)
     scaled_close(got, want, TOL[torch.float16])
+
+
+def test_fused_moe_triton_transposed_x():
+    """x stored transposed (strides (1, N)) and no `out` given: the result is still [N, H] row by row."""
+    n, e, k, h, i = 3, 4, 2, 32, 32
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(h, n, generator=gen).t()
+    w_gate_up, w_down = experts(e, h, i, torch.float32, gen)
+    weights, ids = routing(n, e, k, gen)
+    with ops.use_backend("triton"):
+        got = moe.fused_moe(x, w_gate_up, w_down, weights, ids)
+    scaled_close(got, moe.fused_moe.reference(x, w_gate_up, w_down, weights, ids), TOL[torch.float32])
+
+
+# Buffers that do not fit a call with N 3, k 2, H 32, I 32 in fp32: out [3, 32] (rows may be strided),
+# workspace [6, 32] contiguous.
+BAD_BUFFERS = {
+    "out-shape": ("out", lambda: torch.full((3, 16), 7.0)),
+    "out-dtype": ("out", lambda: torch.full((3, 32), 7.0, dtype=torch.bfloat16)),
+    "out-columns-strided": ("out", lambda: torch.full((32, 3), 7.0).t()),
+    "workspace-small": ("workspace", lambda: torch.full((5, 32), 7.0)),
+    "workspace-strided": ("workspace", lambda: torch.full((32, 6), 7.0).t()),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BUFFERS, ids=str)
+def test_fused_moe_refuses_buffers_that_do_not_fit(case):
+    """A refusal names the buffer and writes nothing (the kernels would index out of it)."""
+    field, make = BAD_BUFFERS[case]
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 32, generator=gen)
+    w_gate_up, w_down = experts(4, 32, 32, torch.float32, gen)
+    weights, ids = routing(3, 4, 2, gen)
+    buffers = dict(out=torch.full((3, 32), 7.0), workspace=torch.full((6, 32), 7.0))
+    buffers[field] = make()
+    with ops.use_backend("triton"), pytest.raises(InputError, match=field):
+        moe.fused_moe(x, w_gate_up, w_down, weights, ids, **buffers)
+    assert all(bool((t == 7).all()) for t in buffers.values())
 
 
 def test_triton_backend_refuses_what_it_cannot_serve():
