@@ -11,12 +11,15 @@ import time
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 import mtpfactory
 from mtpfactory import registry
-from mtpfactory.config import head_from_overrides, list_heads
-from mtpfactory.errors import MtpfError, UnknownNameError
+from mtpfactory.config import list_heads
+from mtpfactory.errors import ConfigError, MtpfError, UnknownNameError
 
 log = logging.getLogger("mtpfactory")
 _rows: list[dict[str, str]] = []
@@ -27,16 +30,26 @@ USAGE = "usage: python -m mtpfactory +head=NAME [group=option ...] [key=value ..
 def _run(cfg: DictConfig) -> None:
     row = {"run": " ".join(HydraConfig.get().overrides.task)}
     _rows.append(row)
-    try:
+    try:  # the demo's own calls can refuse too (a full KV pool, an op with no provider under backend=triton)
         mtpfactory.config.resolve(cfg)
-        head = mtpfactory.build_head(cfg)
+        _check_demo(cfg)
+        row |= _demo(cfg, mtpfactory.build_head(cfg))
     except MtpfError as e:
         log.error("refused: %s", e)
         row["result"] = f"refused: {e}"
         return
-    row |= _demo(cfg, head)
     print(f"prefill {row['prefill ms/row']} ms/row, step {row['step ms']} ms, KV blocks in use "
           f"{row['KV blocks']}, drafts {row['drafts']}")
+
+
+def _check_demo(cfg: DictConfig) -> None:
+    d = cfg.demo
+    for key, value in (("demo.sequences", d.sequences), ("demo.prompt_len", d.prompt_len), ("demo.k", d.k)):
+        if value < 1:
+            raise ConfigError(key, value, "must be >= 1", "use the default (mtpfactory/config/schema.py)")
+    if cfg.runtime.max_seq_len < d.k + 2:  # at least one prefilled row, then k drafts
+        raise ConfigError("demo.k", d.k, f"needs runtime.max_seq_len >= demo.k + 2 "
+                          f"(runtime.max_seq_len={cfg.runtime.max_seq_len})", "lower demo.k or raise runtime.max_seq_len")
 
 
 def _demo(cfg: DictConfig, head: mtpfactory.DraftHead) -> dict[str, str]:
@@ -83,20 +96,41 @@ def _table(rows: list[dict[str, str]]) -> str:
 
 
 def _check_heads(args: list[str]) -> None:
-    """Refuse a missing or unknown head before Hydra does (exit status 2, the heads, a "did you mean")."""
-    value = head_from_overrides([a for a in args if not a.startswith("-")])
-    if value is None:
+    """Refuse a missing or unknown head before Hydra does (exit status 2, the heads, a "did you mean"); each
+    value a sweep (`+head=a,b`, `+head=choice(a,b)`) would run is checked."""
+    names = None
+    for arg in args:
+        if arg.partition("=")[0].lstrip("+~") == "head":
+            names = _head_values(arg)
+    if not names:
         print(f"{USAGE}\nno head chosen: add +head=NAME. Heads: {', '.join(list_heads())}", file=sys.stderr)
         raise SystemExit(2)
-    for name in value.split(","):
+    for name in names:
         if name not in list_heads():
             print(f"{USAGE}\n{UnknownNameError('head', name, list_heads())}", file=sys.stderr)
             raise SystemExit(2)
 
 
+def _head_values(arg: str) -> list[str]:
+    """The head names a `head=` override selects, parsed as Hydra parses it. A glob selects only heads that
+    exist; an override Hydra cannot parse is left for Hydra to report."""
+    try:
+        o = OverridesParser.create().parse_overrides([arg])[0]
+    except HydraException:
+        return list_heads()
+    if o.is_delete():
+        return []
+    if o.value_type == ValueType.GLOB_CHOICE_SWEEP:
+        return o.value().filter(list_heads())
+    if o.is_discrete_sweep():
+        return list(o.sweep_string_iterator())
+    return [o.get_value_element_as_str()]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
-    if not {"-h", "--help", "--hydra-help", "--info", "-i"} & set(args) and not any(a.startswith("--info") for a in args):
+    asks_help = {"-h", "--help", "--hydra-help", "-i"} & set(args) or any(a.startswith("--info") for a in args)
+    if not asks_help:
         _check_heads(args)
     registry.load_entry_points()
     sys.argv = [sys.argv[0], *args]
