@@ -50,32 +50,34 @@ MAX_SPLIT = 16  # programs that share one (row group, output tile) of the down p
 
 # --- references ------------------------------------------------------------------------------------------
 
-def _moe_route_softmax_native(router_logits: torch.Tensor, top_k: int, renormalize: bool):
-    """router_logits: [N, E]. Returns (weights fp32 [N, top_k], expert ids int64 [N, top_k]).
+def _moe_route_softmax_native(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
+                              out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """router_logits: [N, E]. Returns (weights fp32 [N, top_k], expert ids int64 [N, top_k]), written into
+    `out` (that pair, contiguous) when given.
 
     Softmax over all experts in fp32; the top_k experts by fp32 logit (the same order as by probability),
     ties to the lower id (a stable sort: `torch.topk` does not promise which of two equal values comes
     first); their probabilities, divided by their sum when `renormalize`."""
+    _check_route_out(out, router_logits.shape[0], top_k, router_logits.device)
     logits = router_logits.float()                                       # [N, E]
     probs = torch.softmax(logits, dim=-1)
     ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [N, k]
     weights = probs.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return (weights, ids) if out is None else (out[0].copy_(weights), out[1].copy_(ids))
 
 
 def _moe_native(x: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, shared_out: torch.Tensor | None,
-                shared_gate: torch.Tensor | None) -> torch.Tensor:
+                shared_gate: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
     """The MoE maths shared by both references; `expert(e)` gives (w_gate_up [2I, H], w_down [H, I]) in x's dtype.
 
     Rounding order: the gate_up projection, silu, the product and the down projection each run in x's
     dtype (so each expert's output is rounded to x's dtype); the output is weighted by its fp32 routing
     weight and accumulated in fp32; sigmoid(shared_gate) * shared_out is added in fp32; one final
     rounding to x's dtype."""
-    _check_shared(shared_out, shared_gate)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)    # [N, H]
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)    # [N, H]
     for e in torch.unique(topk_ids).tolist():
         rows, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         w_gate_up, w_down = expert(e)
@@ -83,29 +85,34 @@ def _moe_native(x: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, tor
         gate_up = torch.nn.functional.linear(x[rows], w_gate_up)          # [n, 2I]
         h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = torch.nn.functional.linear(h, w_down)                         # [n, H]
-        out.index_add_(0, rows, y.float() * topk_weights[rows, slot, None].float())
+        acc.index_add_(0, rows, y.float() * topk_weights[rows, slot, None].float())
     if shared_out is not None:
-        out += torch.sigmoid(shared_gate.float()) * shared_out.float()   # [N, 1] * [N, H]
-    return out.to(x.dtype)
+        acc += torch.sigmoid(shared_gate.float()) * shared_out.float()   # [N, 1] * [N, H]
+    return acc.to(x.dtype) if out is None else out.copy_(acc)
 
 
 def _fused_moe_native(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, shared_out: torch.Tensor | None = None,
-                      shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+                      shared_gate: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                      workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x: [N, H]; w_gate_up: [E, 2I, H] (gate rows first); w_down: [E, H, I], both in x's dtype;
     topk_weights (fp32), topk_ids: [N, k], ids distinct within a row; shared_out [N, H] and shared_gate
-    [N, 1] (logits) in x's dtype, optional together.
+    [N, 1] (logits) in x's dtype, optional together. `out` [N, H] (rows contiguous, their stride free)
+    receives the result when given; `workspace` [N * k, I] contiguous is scratch for the fast providers
+    (checked, unused here). Both in x's dtype.
 
     Returns sum_j w_j * down_j(silu(gate_j x) * up_j x) + sigmoid(shared_gate) * shared_out, [N, H] in
     x's dtype, reading only the selected experts (rounding order: see `_moe_native`)."""
-    return _moe_native(x, lambda e: (w_gate_up[e], w_down[e]), topk_weights, topk_ids, shared_out, shared_gate)
+    _check_moe_buffers(x, topk_ids.shape[1], w_down.shape[-1], shared_out, shared_gate, out, workspace)
+    return _moe_native(x, lambda e: (w_gate_up[e], w_down[e]), topk_weights, topk_ids, shared_out, shared_gate,
+                       out)
 
 
 def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: torch.Tensor,
                             gu_global: torch.Tensor, dn_weight: torch.Tensor, dn_scale: torch.Tensor,
                             dn_global: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                            shared_out: torch.Tensor | None = None,
-                            shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+                            shared_out: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None, *,
+                            out: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """`fused_moe` with NVFP4 experts (DESIGN 3), gate and up quantized as separate tensors:
     gu_weight uint8 [E, 2I, H/2], gu_scale float8_e4m3fn [E, 2I, H/16], gu_global fp32 [E, 2] (gate, up);
     dn_weight uint8 [E, H, I/2], dn_scale [E, H, I/16], dn_global fp32 [E].
@@ -113,6 +120,7 @@ def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: 
     Each selected expert is dequantized to x's dtype with `dequantize_nvfp4` and run through the
     `fused_moe` reference maths."""
     inter = gu_weight.shape[1] // 2
+    _check_moe_buffers(x, topk_ids.shape[1], inter, shared_out, shared_gate, out, workspace)
 
     def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         gate = dequantize_nvfp4(gu_weight[e, :inter], gu_scale[e, :inter], gu_global[e, 0], x.dtype,
@@ -122,29 +130,39 @@ def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: 
         down = dequantize_nvfp4(dn_weight[e], dn_scale[e], dn_global[e], x.dtype, f"experts.{e}.down_proj.weight")
         return torch.cat([gate, up]), down                                # [2I, H], [H, I]
 
-    return _moe_native(x, expert, topk_weights, topk_ids, shared_out, shared_gate)
+    return _moe_native(x, expert, topk_weights, topk_ids, shared_out, shared_gate, out)
 
 
-def _check_shared(shared_out: torch.Tensor | None, shared_gate: torch.Tensor | None) -> None:
+# Checks both providers make before they write anything, so that a call means the same under either.
+
+def _check_buffer(field: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device, rows_strided: bool = False) -> None:
+    """Refuse a caller's buffer that is not `shape` `dtype` on `device`, contiguous (with `rows_strided`,
+    contiguous along the last dim only: the kernels step between rows by their stride)."""
+    if t is None:
+        return
+    if (tuple(t.shape) != shape or t.dtype != dtype or t.device != device
+            or not (t.stride(-1) == 1 if rows_strided else t.is_contiguous())):
+        layout = "its last dim contiguous" if rows_strided else "contiguous"
+        raise InputError(field, f"{tuple(t.shape)} {t.dtype} {t.device} strides {t.stride()}",
+                         f"must be {list(shape)} {dtype} on {device}, {layout}",
+                         "allocate it as the result is, or pass none")
+
+
+def _check_route_out(out, n: int, top_k: int, device: torch.device) -> None:
+    if out is not None:
+        _check_buffer("out[0] (weights)", out[0], (n, top_k), torch.float32, device)
+        _check_buffer("out[1] (ids)", out[1], (n, top_k), torch.int64, device)
+
+
+def _check_moe_buffers(x, top_k, inter, shared_out, shared_gate, out, workspace) -> None:
     if (shared_out is None) != (shared_gate is None):
         given = "shared_out" if shared_gate is None else "shared_gate"
         raise InputError("shared_out, shared_gate", f"only {given} given",
                          "the shared-expert blend takes both together, or neither",
                          "pass the shared expert's output with its gate logits, or drop both")
-
-
-def _check_buffer(field: str, t: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor,
-                  rows_strided: bool = False) -> None:
-    """Refuse a caller's buffer that is not `shape` in `like`'s dtype on its device, contiguous (with
-    `rows_strided`, contiguous along the last dim only: the kernel steps between rows by their stride)."""
-    if t is None:
-        return
-    if (tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device
-            or not (t.stride(-1) == 1 if rows_strided else t.is_contiguous())):
-        layout = "its last dim contiguous" if rows_strided else "contiguous"
-        raise InputError(field, f"{tuple(t.shape)} {t.dtype} {t.device} strides {t.stride()}",
-                         f"must be {list(shape)} {like.dtype} on {like.device}, {layout}",
-                         f"allocate it as the result is, or leave {field}=None")
+    _check_buffer("out", out, tuple(x.shape), x.dtype, x.device, rows_strided=True)
+    _check_buffer("workspace", workspace, (x.shape[0] * top_k, inter), x.dtype, x.device)
 
 
 moe_route_softmax = Op("moe_route_softmax", _moe_route_softmax_native)
@@ -412,8 +430,8 @@ def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_som
 
 def _moe_route_softmax_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
                               out: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """`out`: optional (weights fp32 [N, k], ids int64 [N, k]) to write into."""
     n, e = router_logits.shape
+    _check_route_out(out, n, top_k, router_logits.device)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     weights, ids = out if out is not None else (
         torch.empty(n, top_k, dtype=torch.float32, device=logits.device),
@@ -451,9 +469,7 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     w_gu, s_gu, g_gu, w_dn, s_dn, g_dn = tensors
     n, hidden = x.shape
     top_k = topk_ids.shape[1]
-    _check_shared(shared_out, shared_gate)
-    _check_buffer("out", out, (n, hidden), x, rows_strided=True)
-    _check_buffer("workspace", workspace, (n * top_k, inter), x)
+    _check_moe_buffers(x, top_k, inter, shared_out, shared_gate, out, workspace)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device) if out is None else out
     if n == 0:
@@ -497,7 +513,6 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
 
 def _fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None, *,
                       out=None, workspace=None):
-    """`out` [N, H] and `workspace` [N * k, I] (x's dtype) may be given to write into."""
     return _launch_moe(x, (w_gate_up, w_gate_up, w_gate_up, w_down, w_down, w_down), w_down.shape[2],
                        topk_weights, topk_ids, shared_out, shared_gate, out, workspace, nvfp4=False)
 

@@ -172,6 +172,17 @@ def test_route_triton_matches_reference(n, e, k, renormalize, dtype):
     torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_route_refuses_out_that_does_not_fit(backend):
+    """ids in int32, or weights as a column slice: refused by name, nothing written."""
+    logits = torch.randn(3, 9)
+    for field, out in (("ids", (torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.int32))),
+                       ("weights", (torch.zeros(3, 4)[:, :2], torch.zeros(3, 2, dtype=torch.int64)))):
+        with ops.use_backend(backend), pytest.raises(InputError, match=field):
+            moe.moe_route_softmax(logits, 2, True, out=out)
+        assert not any(bool(t.any()) for t in out)
+
+
 # --- the references --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -202,6 +213,26 @@ def test_fused_moe_nvfp4_reference_against_dense(shape, dtype):
     # dense from the fp32 dequantized weights rounded to x's dtype, as the reference defines
     w_gate_up, w_down = (w.to(dtype) for w in nvfp4_dense(q, i))
     scaled_close(got, dense_moe(x, w_gate_up, w_down, weights, ids, **blend), TOL[dtype])
+
+
+def test_references_write_into_out():
+    """`out` (and `workspace`) mean the same to the references as to the Triton providers: under `auto` a call
+    with them that falls back to the reference (here, on the CPU) writes the result into `out` and returns it."""
+    n, e, k, h, i = 3, 4, 2, 32, 32
+    gen = torch.Generator().manual_seed(10)
+    logits, x = torch.randn(n, e, generator=gen), torch.randn(n, h, generator=gen)
+    w_gate_up, w_down = experts(e, h, i, torch.float32, gen)
+    q = nvfp4_experts(e, h, i, gen)
+    route_out = (torch.full((n, k), float("nan")), torch.full((n, k), -7, dtype=torch.int64))
+    with ops.use_backend("auto"):
+        weights, ids = moe.moe_route_softmax(logits, k, True, out=route_out)
+        assert weights is route_out[0] and ids is route_out[1]
+        assert all(torch.equal(a, b) for a, b in zip(route_out, moe.moe_route_softmax(logits, k, True)))
+        for op, args in ((moe.fused_moe, dict(w_gate_up=w_gate_up, w_down=w_down)), (moe.fused_moe_nvfp4, q)):
+            buffers = poisoned(n, h, k, i, x.dtype, x.device)
+            got = op(x, **args, topk_weights=weights, topk_ids=ids, **buffers)
+            assert got is buffers["out"]
+            assert torch.equal(got, op(x, **args, topk_weights=weights, topk_ids=ids))
 
 
 def test_shared_blend_needs_both_arguments():
@@ -257,7 +288,7 @@ def test_fused_moe_nvfp4_triton_matches_reference(shape, dtype):
 
 
 def test_fused_moe_triton_fp16_and_strided_rows():
-    """fp16 activations, and x / shared_out given as row slices of wider tensors (a row stride != H)."""
+    """fp16 activations, and x / shared_out / out given as row slices of wider tensors (a row stride != H)."""
     n, e, k, h, i = 5, 6, 2, 32, 32
     gen = torch.Generator().manual_seed(7)
     wide = torch.randn(n, 2 * h, generator=gen).half()
@@ -265,9 +296,13 @@ def test_fused_moe_triton_fp16_and_strided_rows():
     w_gate_up, w_down = experts(e, h, i, torch.float16, gen)
     weights, ids = routing(n, e, k, gen)
     blend = dict(shared_out=wide[:, :h], shared_gate=torch.randn(n, 1, generator=gen).half())
-    got, want = run_both(moe.fused_moe, x, dict(w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights,
-                                                topk_ids=ids), blend, k, i)
+    args = dict(w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights, topk_ids=ids)
+    got, want = run_both(moe.fused_moe, x, args, blend, k, i)
     scaled_close(got, want, TOL[torch.float16])
+    wide_out = torch.full((n, 2 * h), float("nan"), dtype=torch.float16)
+    with ops.use_backend("triton"):
+        moe.fused_moe(x, **args, **blend, out=wide_out[:, :h])
+    assert torch.equal(wide_out[:, :h], got) and bool(wide_out[:, h:].isnan().all())
 
 
 def test_fused_moe_triton_transposed_x():
@@ -293,9 +328,10 @@ BAD_BUFFERS = {
 }
 
 
+@pytest.mark.parametrize("backend", ["triton", "native"])
 @pytest.mark.parametrize("case", BAD_BUFFERS, ids=str)
-def test_fused_moe_refuses_buffers_that_do_not_fit(case):
-    """A refusal names the buffer and writes nothing (the kernels would index out of it)."""
+def test_fused_moe_refuses_buffers_that_do_not_fit(case, backend):
+    """Both providers refuse, naming the buffer, and write nothing (the kernels would index out of it)."""
     field, make = BAD_BUFFERS[case]
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(3, 32, generator=gen)
@@ -303,7 +339,7 @@ def test_fused_moe_refuses_buffers_that_do_not_fit(case):
     weights, ids = routing(3, 4, 2, gen)
     buffers = dict(out=torch.full((3, 32), 7.0), workspace=torch.full((6, 32), 7.0))
     buffers[field] = make()
-    with ops.use_backend("triton"), pytest.raises(InputError, match=field):
+    with ops.use_backend(backend), pytest.raises(InputError, match=field):
         moe.fused_moe(x, w_gate_up, w_down, weights, ids, **buffers)
     assert all(bool((t == 7).all()) for t in buffers.values())
 
