@@ -50,10 +50,12 @@ class Op:
         _OPS[name] = self
 
     def register_provider(self, name: str, fn: Callable, supports: Callable[..., bool]) -> None:
-        """Attach a fast provider. Re-registering the same function (a module re-import) replaces it."""
+        """Attach a fast provider. Registering the same function again (the same object, or the same `def`
+        run again by a module re-import) replaces it; any other function under a taken name is refused."""
         old = self.providers.get(name)
-        if old is not None and _qualname(old.fn) != _qualname(fn):
-            raise ConfigError(f"op {self.name} provider", name, "already registered by " + _qualname(old.fn),
+        if old is not None and not _same_function(old.fn, fn):
+            raise ConfigError(f"op {self.name} provider", name,
+                              f"already registered by {_qualname(old.fn)} ({_where(old.fn)}), not {_where(fn)}",
                               "give the provider another name")
         self.providers[name] = Provider(name, fn, supports)
 
@@ -129,3 +131,19 @@ def _describe(args: tuple) -> str:
 
 def _qualname(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _same_function(a: Callable, b: Callable) -> bool:
+    """The same object, or one `def` run twice (a module re-import): the same name, file and first line,
+    and no captured state. Two lambdas, or two closures made by one factory, are different functions."""
+    if a is b:
+        return True
+    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    return (ca is not None and cb is not None and _qualname(a) == _qualname(b)
+            and (ca.co_filename, ca.co_firstlineno) == (cb.co_filename, cb.co_firstlineno)
+            and not getattr(a, "__closure__", None) and not getattr(b, "__closure__", None))
+
+
+def _where(fn: Callable) -> str:
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else repr(fn)

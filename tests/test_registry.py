@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mtpfactory
-from mtpfactory import registry
+from mtpfactory import ops, registry
 from mtpfactory.components.ffn import SwiGLU, build_swiglu
 from mtpfactory.errors import ConfigError, UnknownNameError
 
@@ -102,3 +102,31 @@ def test_user_ffn_from_the_cli_through_an_entry_point(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "half_ffn built" in run.stdout and "ffn=half_ffn" in run.stdout
+
+
+def test_an_op_provider_name_taken_by_another_function_is_refused(monkeypatch):
+    monkeypatch.setattr(ops, "_OPS", {})  # a throwaway op, out of the real registry
+
+    def make(k):
+        def provider(x):
+            return x * k
+        return provider
+
+    op = ops.Op("test_op", lambda x: x)
+    # Two lambdas; two closures from one factory: each pair shares a qualified name, not a function.
+    lambdas = (lambda x: x + 1,
+               lambda x: x + 2)
+    for name, first, other in (("lambda", *lambdas), ("closure", make(2), make(3))):
+        op.register_provider(name, first, lambda x: True)
+        op.register_provider(name, first, lambda x: True)  # the same function again: fine
+        with pytest.raises(ConfigError, match="already registered"):
+            op.register_provider(name, other, lambda x: True)
+        assert op.providers[name].fn is first
+
+    # One `def` run twice, as a module re-import runs it: a new object from the same place, which replaces it.
+    code = compile("def provider(x):\n    return -x\n", "user_provider.py", "exec")
+    runs = [{"__name__": "user_provider"}, {"__name__": "user_provider"}]
+    for namespace in runs:
+        exec(code, namespace)
+        op.register_provider("user", namespace["provider"], lambda x: True)
+    assert op.providers["user"].fn is runs[1]["provider"]
