@@ -6,12 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op, check_out, triton_can_run, write_out
 
 
-def _embedding_native(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """ids: [N] int; table: [V, H]. Returns [N, H]."""
-    return table.index_select(0, ids)
+def _embedding_native(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """ids: [N] int; table: [V, H]. Returns [N, H] in table's dtype (written into `out` when given)."""
+    return write_out(out, table.index_select(0, ids))
 
 
 embedding = Op("embedding", _embedding_native)
@@ -20,14 +20,15 @@ embedding = Op("embedding", _embedding_native)
 # --- Triton ---------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _embedding_kernel(ids_ptr, table_ptr, out_ptr, H, stride_v, BLOCK_H: tl.constexpr):
+def _embedding_kernel(ids_ptr, table_ptr, out_ptr, H, stride_v, stride_on, stride_oh, BLOCK_H: tl.constexpr):
     """Program (token n, block of H): copies bits (the launcher views both tables as same-width ints), so the
     copy is exact for every dtype and no value passes through the interpreter's bf16 / fp8 handling."""
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     row = tl.load(ids_ptr + n).to(tl.int64)
-    tl.store(out_ptr + n * H + cols, tl.load(table_ptr + row * stride_v + cols, mask=mask), mask=mask)
+    tl.store(out_ptr + n * stride_on + cols * stride_oh, tl.load(table_ptr + row * stride_v + cols, mask=mask),
+             mask=mask)
 
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -41,18 +42,18 @@ def _embedding_supports(ids, table, out=None) -> bool:
 
 def embedding_triton(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's contract, with ids in [0, V) (not checked on the device: an id out of range reads
-    out of bounds where index_select would raise). `out` (optional): contiguous [N, H] in table's dtype."""
+    out of bounds where index_select would raise). `out` (optional, any strides): [N, H] in table's dtype."""
     N, H = ids.shape[0], table.shape[1]
+    if out is not None:
+        check_out(out, (N, H), table.dtype, table.device)
     y = torch.empty(N, H, dtype=table.dtype, device=table.device) if out is None else out
-    if y.shape != (N, H) or y.dtype != table.dtype or not y.is_contiguous():
-        raise ValueError(f"out: got {tuple(y.shape)} {y.dtype}, need a contiguous ({N}, {H}) {table.dtype} "
-                         "tensor")
     if N == 0 or H == 0:
         return y
     bits = _INT_OF_SIZE[table.element_size()]
     block = min(triton.next_power_of_2(H), 4096 // table.element_size())  # 4 KiB of a row per program
-    _embedding_kernel[(N, triton.cdiv(H, block))](ids, table.view(bits), y.view(bits), H, table.stride(0),
-                                                  BLOCK_H=block, num_warps=4)
+    _embedding_kernel[(N, triton.cdiv(H, block))](ids.contiguous(), table.view(bits), y.view(bits), H,
+                                                  table.stride(0), y.stride(0), y.stride(1), BLOCK_H=block,
+                                                  num_warps=4)
     return y
 
 

@@ -9,6 +9,9 @@
 
 A head runs its forward inside `use_backend(...)`, so components call ops plainly (`ops.rms_norm(x, w)`)
 and never thread a backend argument through.
+
+An op that takes `out=` takes it in its reference too (`write_out`), so a call means the same whichever
+provider serves it; every provider checks `out` (`check_out`) before writing anything.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpfactory.errors import ConfigError
+from mtpfactory.errors import ConfigError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,28 @@ def triton_can_run(*tensors: torch.Tensor) -> bool:
         return len({t.device for t in tensors}) == 1
     return (_backend.get() == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
             and all(t.device.type == "cpu" for t in tensors))
+
+
+def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              field: str = "out") -> None:
+    """Refuse an `out=` tensor that cannot hold the op's result: another shape, dtype or device."""
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise InputError(field, f"{_dtype(out.dtype)} {list(out.shape)} on {out.device}",
+                         f"must be a {_dtype(dtype)} tensor of shape {list(shape)} on {device}",
+                         f"allocate it as the op returns its result, or leave {field}=None")
+
+
+def write_out(out: torch.Tensor | None, result: torch.Tensor, field: str = "out") -> torch.Tensor:
+    """A reference's `out=`: `result` copied into `out` (checked as the fast providers check it) and `out`
+    returned; `result` itself when `out` is None."""
+    if out is None:
+        return result
+    check_out(out, result.shape, result.dtype, result.device, field)
+    return out.copy_(result)
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _describe(args: tuple) -> str:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
+from mtpfactory.errors import InputError
 from mtpfactory.kernels.embedding import embedding
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -45,6 +46,21 @@ def test_row_strided_table_special_values_and_dispatch():
     assert bits_equal(run(ids, table), embedding.reference(ids, table))
     with ops.use_backend("triton"):
         assert bits_equal(embedding(ids, table), embedding.reference(ids, table))
+
+
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_strided_ids_and_out_which_every_provider_takes(backend):
+    """ids a column of a wider tensor; `out` a column slice of a wider buffer, written by its strides by the
+    Triton provider and the reference alike; an `out` of another shape or dtype refused by both."""
+    table = torch.randn(10, 6)
+    ids = torch.tensor([[3, 0], [7, 0], [1, 0]])[:, 0]
+    wide = torch.full((3, 10), float("nan"))
+    with ops.use_backend(backend):
+        got = embedding(ids, table, out=wide[:, 2:8])
+        assert bits_equal(got, embedding.reference(ids, table)) and wide[:, [0, 1, 8, 9]].isnan().all()
+        for bad in (torch.empty(3, 6, dtype=torch.float64), torch.empty(4, 6)):
+            with pytest.raises(InputError, match="out="):
+                embedding(ids, table, out=bad)
 
 
 @pytest.mark.gpu
