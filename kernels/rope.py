@@ -8,11 +8,13 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op, check_out, triton_can_run, write_out
 
 
-def _rope_neox_native(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, D]; positions: [N] int; inv_freq: [rotary_dim / 2] fp32. Returns x rotated, x's dtype.
+def _rope_neox_native(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [N, heads, D]; positions: [N] int; inv_freq: [rotary_dim / 2] fp32. Returns x rotated, x's dtype
+    (written into `out` when given).
 
     Pairs (i, i + rotary_dim/2) rotate by angle position * inv_freq[i]; cos and sin are rounded to x's
     dtype before use, as the Hugging Face models do.
@@ -24,7 +26,7 @@ def _rope_neox_native(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
     rot, rest = x[..., :rd], x[..., rd:]
     half = rd // 2
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+    return write_out(out, torch.cat([rot * cos + rotated * sin, rest], dim=-1))
 
 
 rope_neox = Op("rope_neox", _rope_neox_native)
@@ -39,6 +41,7 @@ def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
 
 @triton.jit
 def _rope_neox_kernel(x_ptr, pos_ptr, inv_freq_ptr, y_ptr, heads, D, half, stride_xn, stride_xh,
+                      stride_yn, stride_yh, stride_yd,
                       BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
                       LIBDEVICE_TRIG: tl.constexpr):
     """Program (token n, block of heads). Rounds where the reference's eager ops round (each to x's
@@ -58,20 +61,20 @@ def _rope_neox_kernel(x_ptr, pos_ptr, inv_freq_ptr, y_ptr, heads, D, half, strid
     s = cast_rne(s, dtype).to(tl.float32)[None, :]
 
     src = x_ptr + n * stride_xn + h[:, None].to(tl.int64) * stride_xh  # [BH, 1]
-    dst = y_ptr + (n * heads + h[:, None]) * D
+    dst = y_ptr + n * stride_yn + h[:, None].to(tl.int64) * stride_yh  # [BH, 1]
     m = hm[:, None] & im[None, :]
     x1 = tl.load(src + i[None, :], mask=m, other=0.0).to(tl.float32)  # [BH, BHALF]
     x2 = tl.load(src + half + i[None, :], mask=m, other=0.0).to(tl.float32)
     a1 = cast_rne(x1 * c, dtype).to(tl.float32)
     b1 = cast_rne(-x2 * s, dtype).to(tl.float32)
-    tl.store(dst + i[None, :], cast_rne(a1 + b1, dtype), mask=m)
+    tl.store(dst + i[None, :] * stride_yd, cast_rne(a1 + b1, dtype), mask=m)
     a2 = cast_rne(x2 * c, dtype).to(tl.float32)
     b2 = cast_rne(x1 * s, dtype).to(tl.float32)
-    tl.store(dst + half + i[None, :], cast_rne(a2 + b2, dtype), mask=m)
+    tl.store(dst + (half + i[None, :]) * stride_yd, cast_rne(a2 + b2, dtype), mask=m)
 
     j = 2 * half + tl.arange(0, BLOCK_REST)  # the pass-through dims
     mr = hm[:, None] & (j < D)[None, :]
-    tl.store(dst + j[None, :], tl.load(src + j[None, :], mask=mr, other=0.0), mask=mr)
+    tl.store(dst + j[None, :] * stride_yd, tl.load(src + j[None, :], mask=mr, other=0.0), mask=mr)
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -87,12 +90,11 @@ def _rope_neox_supports(x, positions, inv_freq, out=None) -> bool:
 def rope_neox_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's contract; x may be a strided view (a slice of a fused QKV) with its last dim
-    contiguous. `out` (optional) is a contiguous tensor of x's shape and dtype."""
+    contiguous. `out` (optional, any strides) has x's shape and dtype."""
     N, heads, D = x.shape
+    if out is not None:
+        check_out(out, x.shape, x.dtype, x.device)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    if y.shape != x.shape or y.dtype != x.dtype or not y.is_contiguous():
-        raise ValueError(f"out: got {tuple(y.shape)} {y.dtype}, need a contiguous {tuple(x.shape)} {x.dtype} "
-                         "tensor")
     if N == 0 or heads == 0 or D == 0:
         return y
     half = inv_freq.numel()
@@ -100,7 +102,7 @@ def rope_neox_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
     block_rest = triton.next_power_of_2(max(D - 2 * half, 1))
     block_heads = min(triton.next_power_of_2(heads), max(1, 4096 // max(block_half, block_rest)))
     _rope_neox_kernel[(N, triton.cdiv(heads, block_heads))](
-        x, positions, inv_freq.contiguous(), y, heads, D, half, x.stride(0), x.stride(1),
+        x, positions.contiguous(), inv_freq.contiguous(), y, heads, D, half, x.stride(0), x.stride(1), *y.stride(),
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, BLOCK_REST=block_rest, LIBDEVICE_TRIG=x.is_cuda,
         num_warps=4, enable_fp_fusion=False)  # no FMA contraction: fp32 rounds each product, as torch does
     return y

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
+from mtpfactory.errors import InputError
 from mtpfactory.kernels.rope import rope_inv_freq, rope_neox
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -74,6 +75,23 @@ def test_dispatch_allocates():
     with ops.use_backend("triton"):
         y = rope_neox(x, positions, inv_freq)
     assert_matches(y, rope_neox.reference(x, positions, inv_freq), x, 8)
+
+
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_strided_positions_and_out_which_every_provider_takes(backend):
+    """positions a column of a wider tensor; `out` the q part of a fused [N, heads + 2, D] buffer, written by
+    its strides by the Triton provider and the reference alike; an `out` of another shape or dtype refused."""
+    x = torch.randn(3, 2, 12, generator=torch.Generator().manual_seed(6))
+    positions = torch.tensor([[5, 0], [9, 0], [100, 0]])[:, 0]
+    inv_freq = rope_inv_freq(8, 10_000.0)
+    fused = torch.full((3, 4, 12), float("nan"))
+    with ops.use_backend(backend):
+        y = rope_neox(x, positions, inv_freq, out=fused[:, 1:3])
+        assert_matches(y, rope_neox.reference(x, positions, inv_freq), x, 8)
+        assert fused[:, [0, 3]].isnan().all()
+        for bad in (torch.empty(3, 2, 12, dtype=torch.bfloat16), torch.empty(3, 3, 12)):
+            with pytest.raises(InputError, match="out="):
+                rope_neox(x, positions, inv_freq, out=bad)
 
 
 @pytest.mark.gpu
