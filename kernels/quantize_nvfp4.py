@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory import quant
+from mtpfactory.errors import WeightsError
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits, e4m3_value
 from mtpfactory.kernels.quantize_fp8 import check_out, divides_by_reciprocal, fp32_reciprocal
 from mtpfactory.ops import Op, triton_can_run
@@ -96,9 +97,21 @@ def global_absmax_bits(x: torch.Tensor, *, block: int = 4096, max_programs: int 
     return acc
 
 
+def _refusal(w: torch.Tensor, name: str) -> WeightsError | None:
+    """Why the kernels cannot quantize `w`, as the error the provider raises (its predicate says no to the same
+    calls), or None: a 2-D fp32, bf16 or fp16 [N, K] tensor with elements, K a multiple of 16 (a block that
+    crossed a row would mix two rows' values)."""
+    if w.dtype not in _DTYPES or w.dim() != 2 or w.numel() == 0:
+        return WeightsError(name, f"{w.dtype} {tuple(w.shape)}", "a 2-D fp32, bf16 or fp16 [N, K] tensor with "
+                            "elements", "pass the unquantized weight")
+    if w.shape[1] % NVFP4_BLOCK:
+        return WeightsError(f"{name}.shape[1]", w.shape[1], "NVFP4 needs K to be a multiple of 16",
+                            "keep this tensor unquantized or pad K")
+    return None
+
+
 def _quantize_nvfp4_supports(w: torch.Tensor, name: str = "weight", *, out=None) -> bool:
-    return (w.dtype in _DTYPES and w.dim() == 2 and w.numel() > 0 and w.shape[1] % NVFP4_BLOCK == 0
-            and triton_can_run(w, *(out if out is not None else ())))
+    return triton_can_run(w, *(out if out is not None else ())) and _refusal(w, name) is None
 
 
 def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
@@ -108,8 +121,11 @@ def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
     weight_scale_2 fp32 0-dim).
 
     `out`: that triple preallocated (contiguous), written in place and returned. A NaN/Inf in `w` is
-    refused as the reference refuses it (read off the absmax after the launches: one sync).
+    refused as the reference refuses it, read off the absmax before the quantizing launch (one sync), so a
+    refused call writes nothing.
     """
+    if err := _refusal(w, name):
+        raise err
     n, k = w.shape
     x = w.contiguous()
     if out is None:
@@ -122,13 +138,13 @@ def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
     check_out("weight_scale_2", global_scale, torch.float32, ())
 
     amax = global_absmax_bits(x)
+    if int(amax) >= _FINITE_LIMIT:
+        check_finite(w, name)
     n_blocks, blocks = n * (k // NVFP4_BLOCK), 128
     _quantize_nvfp4_kernel[(triton.cdiv(n_blocks, blocks),)](
         x, amax, q, scale.view(torch.uint8), global_scale, n_blocks,
         INV_6=fp32_reciprocal(E2M1_MAX), INV_2688=fp32_reciprocal(E2M1_MAX * FP8_E4M3_MAX),
         BY_RECIPROCAL=divides_by_reciprocal(w.device.type), BLOCKS=blocks)
-    if int(amax) >= _FINITE_LIMIT:
-        check_finite(w, name)
     return q, scale, global_scale
 
 

@@ -14,7 +14,7 @@ import torch
 from mtpfactory import ops, quant
 from mtpfactory.errors import ConfigError, InputError, WeightsError
 from mtpfactory.kernels.quantize_fp8 import divides_by_reciprocal
-from mtpfactory.kernels.quantize_nvfp4 import global_absmax_bits, quantize_nvfp4
+from mtpfactory.kernels.quantize_nvfp4 import global_absmax_bits, quantize_nvfp4, quantize_nvfp4_triton
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -160,17 +160,32 @@ def test_absmax_over_many_programs_and_iterations(device):
     assert global_absmax_bits(x, block=64, max_programs=3).item() >= 0x7F800000
 
 
+def untouched(out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+    """Every byte of `poisoned` outputs still 0xFF."""
+    return all(bool((t.reshape(-1).view(torch.uint8) == 0xFF).all()) for t in out)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_refusals(device):
+    """A NaN/Inf weight, K not a multiple of 16, a weight that is not 2-D, and an `out` of another shape are
+    refused naming what is wrong; the outputs given stay as they were."""
     w = torch.ones(2, 32, device=device)
     w[1, 3] = float("inf")
+    out = poisoned(2, 32, device)
     with ops.use_backend("triton"), pytest.raises(WeightsError, match="lm_head.*1 Inf"):
-        quantize_nvfp4(w, "lm_head")
+        quantize_nvfp4(w, "lm_head", out=out)
+    assert untouched(out)
     with ops.use_backend("triton"), pytest.raises(ConfigError, match="quantize_nvfp4"):
-        quantize_nvfp4(torch.ones(2, 20, device=device))               # K not a multiple of 16: no provider
+        quantize_nvfp4(torch.ones(2, 24, device=device))               # K not a multiple of 16: no provider
+    for bad, what in ((torch.ones(2, 24, device=device), r"w\.shape\[1\]=24: .*multiple of 16"),
+                      (torch.ones(2, 2, 16, device=device), r"w='torch.float32 \(2, 2, 16\)': a 2-D")):
+        with pytest.raises(WeightsError, match=what):                  # the provider called directly
+            quantize_nvfp4_triton(bad, "w", out=out)
+    assert untouched(out)
     bad_out = poisoned(2, 32, device)[0], *poisoned(2, 16, device)[1:]
     with ops.use_backend("triton"), pytest.raises(InputError, match="weight_scale"):
         quantize_nvfp4(torch.ones(2, 32, device=device), out=bad_out)
+    assert untouched(bad_out)
 
 
 # --- real sizes, on the GPU ---------------------------------------------------------------------------------
