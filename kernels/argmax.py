@@ -6,12 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op, check_out, triton_can_run, write_out
 
 
-def _argmax_native(logits: torch.Tensor) -> torch.Tensor:
-    """logits: [B, V]. Returns int64 [B]: the first index of each row's maximum."""
-    return torch.argmax(logits, dim=-1)
+def _argmax_native(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [B, V]. Returns int64 [B]: the first index of each row's maximum (written into `out` when
+    given)."""
+    return write_out(out, torch.argmax(logits, dim=-1))
 
 
 argmax = Op("argmax", _argmax_native)
@@ -35,7 +36,7 @@ def _first_max(x, idx, mask, V):
 
 
 @triton.jit
-def _argmax_chunk_kernel(logits_ptr, stride_b, V, part_val_ptr, part_idx_ptr, out_ptr, n_chunks,
+def _argmax_chunk_kernel(logits_ptr, stride_b, V, part_val_ptr, part_idx_ptr, out_ptr, stride_o, n_chunks,
                          CHUNK: tl.constexpr, SINGLE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -44,21 +45,21 @@ def _argmax_chunk_kernel(logits_ptr, stride_b, V, part_val_ptr, part_idx_ptr, ou
     x = tl.load(logits_ptr + b * stride_b + idx, mask=mask, other=float("-inf")).to(tl.float32)
     val, i = _first_max(x, idx, mask, V)
     if SINGLE:
-        tl.store(out_ptr + b, i.to(tl.int64))
+        tl.store(out_ptr + b * stride_o, i.to(tl.int64))
     else:
         tl.store(part_val_ptr + b * n_chunks + chunk, val)
         tl.store(part_idx_ptr + b * n_chunks + chunk, i)
 
 
 @triton.jit
-def _argmax_partials_kernel(part_val_ptr, part_idx_ptr, out_ptr, n_chunks, V, BLOCK: tl.constexpr):
+def _argmax_partials_kernel(part_val_ptr, part_idx_ptr, out_ptr, stride_o, n_chunks, V, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < n_chunks
     val = tl.load(part_val_ptr + b * n_chunks + c, mask=mask, other=float("-inf"))
     idx = tl.load(part_idx_ptr + b * n_chunks + c, mask=mask, other=V)
     _, i = _first_max(val, idx, mask, V)
-    tl.store(out_ptr + b, i.to(tl.int64))
+    tl.store(out_ptr + b * stride_o, i.to(tl.int64))
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,24 +75,26 @@ def _argmax_supports(logits, out=None, chunk=_CHUNK) -> bool:
 
 
 def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: int = _CHUNK) -> torch.Tensor:
-    """The reference's contract; `out` (optional): int64 [B]; `chunk`: V elements per first-stage program
-    (a power of two)."""
+    """The reference's contract; `out` (optional, any stride): int64 [B]; `chunk`: V elements per first-stage
+    program (a power of two)."""
     B, V = logits.shape
+    if out is not None:
+        check_out(out, (B,), torch.int64, logits.device)
     y = torch.empty(B, dtype=torch.int64, device=logits.device) if out is None else out
-    if y.shape != (B,) or y.dtype != torch.int64:
-        raise ValueError(f"out: got {tuple(y.shape)} {y.dtype}, need int64 ({B},)")
     if B == 0:
         return y
     chunk = min(chunk, triton.next_power_of_2(V))
     n_chunks = triton.cdiv(V, chunk)
     if n_chunks == 1:
-        _argmax_chunk_kernel[(B, 1)](logits, logits.stride(0), V, y, y, y, 1, CHUNK=chunk, SINGLE=True)
+        _argmax_chunk_kernel[(B, 1)](logits, logits.stride(0), V, y, y, y, y.stride(0), 1, CHUNK=chunk,
+                                     SINGLE=True)
         return y
     part_val = torch.empty(B, n_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(B, n_chunks, dtype=torch.int32, device=logits.device)
-    _argmax_chunk_kernel[(B, n_chunks)](logits, logits.stride(0), V, part_val, part_idx, y, n_chunks,
-                                        CHUNK=chunk, SINGLE=False)
-    _argmax_partials_kernel[(B,)](part_val, part_idx, y, n_chunks, V, BLOCK=triton.next_power_of_2(n_chunks))
+    _argmax_chunk_kernel[(B, n_chunks)](logits, logits.stride(0), V, part_val, part_idx, y, y.stride(0),
+                                        n_chunks, CHUNK=chunk, SINGLE=False)
+    _argmax_partials_kernel[(B,)](part_val, part_idx, y, y.stride(0), n_chunks, V,
+                                  BLOCK=triton.next_power_of_2(n_chunks))
     return y
 
 

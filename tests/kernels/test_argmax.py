@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
+from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import argmax
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -76,6 +77,20 @@ def test_strided_rows_and_dispatch():
     x = torch.randn(5, 4200)[:, :4099]
     with ops.use_backend("triton"):
         assert torch.equal(argmax(x), argmax.reference(x))
+
+
+@pytest.mark.parametrize("V", [100, 4099])  # one stage; two
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_strided_out_which_every_provider_takes(backend, V):
+    """`out` a column of a wider buffer, written by its stride by the Triton provider and the reference alike;
+    an `out` of another dtype or length refused by both."""
+    x = planted(5, V, torch.float32, seed=7)
+    buf = torch.full((5, 2), -1, dtype=torch.int64)
+    with ops.use_backend(backend):
+        assert torch.equal(argmax(x, out=buf[:, 0]), argmax.reference(x)) and (buf[:, 1] == -1).all()
+        for bad in (torch.empty(5, dtype=torch.int32), torch.empty(4, dtype=torch.int64)):
+            with pytest.raises(InputError, match="out="):
+                argmax(x, out=bad)
 
 
 @pytest.mark.gpu
