@@ -78,7 +78,7 @@ def reshape_and_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
     block_heads = min(triton.next_power_of_2(heads), max(1, 4096 // max(block_kd, block_vd)))
     nb, bs = k_cache.shape[:2]
     _reshape_and_cache_kernel[(N, triton.cdiv(heads, block_heads))](
-        k, v, k_cache, v_cache, slots, nb * bs, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, k_cache, v_cache, slots.contiguous(), nb * bs, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_heads, k_dim, v_heads, v_dim, BLOCK_HEADS=block_heads, BLOCK_KD=block_kd, BLOCK_VD=block_vd,
         num_warps=4)
 

@@ -75,6 +75,13 @@ def test_strided_k_v_from_a_fused_projection():
     check(k, v, nan_cache(4, 4, 2, 12, torch.bfloat16), nan_cache(4, 4, 2, 12, torch.bfloat16), slots)
 
 
+def test_strided_slots():
+    """slots a column of a wider tensor (stride 2)."""
+    k = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(10))
+    slots = torch.tensor([[7, 0], [-3, 0], [2, 0]])[:, 0]
+    check(k, -k, nan_cache(3, 4, 1, 8, torch.float32), nan_cache(3, 4, 1, 8, torch.float32), slots)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("heads,D,block_size", [(2, 256, 16), (8, 128, 64), (1, 576, 64)])
