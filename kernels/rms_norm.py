@@ -12,19 +12,28 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
 from mtpfactory.ops import Op, triton_can_run
 
 
 def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
-                     residual: torch.Tensor | None = None):
-    """x, residual: [..., H]; weight: [H]. With `residual`, returns (norm(x + residual), x + residual)."""
+                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     residual_out: torch.Tensor | None = None):
+    """x, residual: [..., H]; weight: [H]. With `residual`, returns (norm(x + residual), x + residual). `out` /
+    `residual_out` (optional, x's shape and dtype) receive the norm and the sum and are returned."""
+    if out is not None:
+        _check_out(out, x, "out", contiguous=False)
+    if residual is not None and residual_out is not None:
+        _check_out(residual_out, x, "residual_out", contiguous=False)
     if residual is not None:
-        x = x + residual
+        x = x + residual if residual_out is None else torch.add(x, residual, out=residual_out)
     xf = x.float()
     w = weight.float() + 1.0 if zero_centred else weight.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+    if out is not None:
+        y = out.copy_(y)
     return y if residual is None else (y, x)
 
 
@@ -75,13 +84,18 @@ def _rms_norm_supports(x, weight, eps, zero_centred, residual=None, out=None, re
     return (x.dtype in _FLOATS and weight.dtype in _FLOATS and 1 <= H <= _MAX_H
             and x.is_contiguous() and weight.is_contiguous() and tuple(weight.shape) == (H,)
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                      and residual.is_contiguous())))
+                                      and residual.is_contiguous()))
+            and (out is None or out.is_contiguous())
+            and (residual_out is None or residual_out.is_contiguous()))
 
 
-def _check_out(out: torch.Tensor, like: torch.Tensor, name: str) -> None:
-    if out.shape != like.shape or out.dtype != like.dtype or not out.is_contiguous():
-        raise ValueError(f"{name}: got {tuple(out.shape)} {out.dtype}, need a contiguous "
-                         f"{tuple(like.shape)} {like.dtype} tensor")
+def _check_out(out: torch.Tensor, like: torch.Tensor, name: str, contiguous: bool = True) -> None:
+    """Refuse an `out` of another shape or dtype than `like` (either provider), or, for the Triton kernel, not
+    contiguous (its predicate says no to those, so `auto` runs the reference, which writes any layout)."""
+    if out.shape != like.shape or out.dtype != like.dtype or (contiguous and not out.is_contiguous()):
+        layout = "a contiguous " if contiguous else "a "
+        raise InputError(name, f"{out.dtype} {tuple(out.shape)}", f"{layout}{like.dtype} {tuple(like.shape)} "
+                         "tensor, as x", f"pass a matching tensor or {name}=None")
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,

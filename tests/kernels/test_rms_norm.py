@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError
+from mtpfactory.errors import ConfigError, InputError
 from mtpfactory.kernels.rms_norm import rms_norm
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -83,6 +83,31 @@ def test_dispatch_allocates_and_refuses_what_it_cannot_serve():
         assert_matches(rms_norm(x, w, 1e-6, False), rms_norm.reference(x, w, 1e-6, False))
         with pytest.raises(ConfigError, match="rms_norm"):
             rms_norm(x.t(), w[:4], 1e-6, False)  # not contiguous
+
+
+def test_out_means_the_same_on_every_provider():
+    """`out` / `residual_out` are part of the op, not of one provider: the reference writes them and returns
+    them too, so a call that falls back to it (`auto` on the CPU; a non-contiguous `out`, which the Triton
+    kernel cannot write) returns what it returns without them; an `out` of another shape is refused by both,
+    writing nothing."""
+    gen = torch.Generator().manual_seed(4)
+    x, res = (torch.randn(3, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    w = torch.randn(64, generator=gen).to(torch.bfloat16)
+    want_y, want_s = rms_norm.reference(x, w, 1e-6, True, res)
+    out, res_out = poisoned(x), poisoned(x)
+    with ops.use_backend("auto"):                                      # the CPU: the reference
+        y, s = rms_norm(x, w, 1e-6, True, res, out=out, residual_out=res_out)
+    assert y is out and s is res_out and torch.equal(y, want_y) and torch.equal(s, want_s)
+    strided = torch.full((64, 3), float("nan"), dtype=torch.bfloat16).T
+    assert rms_norm.reference(x, w, 1e-6, True, out=strided) is strided
+    assert torch.equal(strided, rms_norm.reference(x, w, 1e-6, True))
+    with ops.use_backend("triton"), pytest.raises(ConfigError, match="rms_norm"):
+        rms_norm(x, w, 1e-6, True, out=strided)
+    for backend in ("native", "triton"):
+        wrong = torch.full((3, 32), float("nan"), dtype=torch.bfloat16)
+        with ops.use_backend(backend), pytest.raises(InputError, match=r"out='torch.bfloat16 \(3, 32\)'"):
+            rms_norm(x, w, 1e-6, True, out=wrong)
+        assert wrong.isnan().all()
 
 
 @pytest.mark.gpu
