@@ -55,6 +55,18 @@ class SeqState:
 
 
 @dataclass(frozen=True)
+class Undo:
+    """What a batch of checked writes may change, saved before it runs: each touched sequence's
+    (start, end, blocks) (None: not live yet), the free list, and the pool rows at the slots the writes
+    overwrite (flat slots [n], and for k, v, k_scale, v_scale their rows at those slots, or None)."""
+
+    seqs: dict[int, tuple[int, int, list[int]] | None]
+    free: list[int]
+    slots: torch.Tensor | None
+    rows: tuple[torch.Tensor | None, ...]
+
+
+@dataclass(frozen=True)
 class WritePlan:
     """Where rows p..q of one sequence go: their slots in the pool, and the sequence's state after."""
 
@@ -128,6 +140,34 @@ class PagedKVCache:
         s.end = w.q + 1
         return self.slots(w.seq_id, w.p, w.q)
 
+    def save(self, writes: list[WritePlan]) -> Undo:
+        """What `restore` needs to undo these writes. Rows past a sequence's end need no saving: the restored
+        range does not reach them. A write at the end (a decode step) overwrites nothing, so saves no rows."""
+        seqs = {w.seq_id: None if (s := self.seqs.get(w.seq_id)) is None else (s.start, s.end, list(s.blocks))
+                for w in writes}
+        over = [self.slots(w.seq_id, w.p, min(w.q, s.end - 1)) for w in writes
+                if (s := self.seqs.get(w.seq_id)) is not None and w.p < s.end]
+        slots = torch.cat(over) if over else None
+        rows = tuple(None if t is None or slots is None else _flat(t)[slots].clone() for t in self._pools())
+        return Undo(seqs, list(self._free), slots, rows)
+
+    def restore(self, undo: Undo) -> None:
+        """Put the touched sequences, the free list and the overwritten rows back as `save` found them."""
+        for seq_id, saved in undo.seqs.items():
+            if saved is None:
+                self.seqs.pop(seq_id, None)
+            else:
+                s = self.seqs.setdefault(seq_id, SeqState(*saved))
+                s.start, s.end, s.blocks = saved
+        self._free = undo.free
+        if undo.slots is not None:
+            for t, rows in zip(self._pools(), undo.rows):
+                if t is not None:
+                    _flat(t)[undo.slots] = rows
+
+    def _pools(self) -> tuple[torch.Tensor | None, ...]:
+        return self.k, self.v, self.k_scale, self.v_scale
+
     def slots(self, seq_id: int, p: int, q: int) -> torch.Tensor:
         s = self.seqs[seq_id]
         idx = torch.arange(p - s.start, q - s.start + 1)
@@ -159,3 +199,8 @@ class PagedKVCache:
     def _release(self, s: SeqState, keep: int) -> None:
         while len(s.blocks) > keep:
             self._free.append(s.blocks.pop())
+
+
+def _flat(pool: torch.Tensor) -> torch.Tensor:
+    """A view of a pool [num_blocks, block_size, ...] by slot: [num_blocks * block_size, ...]."""
+    return pool.view(-1, *pool.shape[2:])

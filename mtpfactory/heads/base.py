@@ -7,6 +7,9 @@ decode path: writes KV, attends, returns logits and the chained hidden).
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -57,17 +60,18 @@ class DraftHead(nn.Module):
         if p != list(range(p[0], p[0] + len(p))):
             raise InputError("positions", p if len(p) <= 8 else f"{p[:8]}...", "prefill positions must be "
                              "consecutive (p, p+1, ..., q)", "split the rows into consecutive runs")
-        plan = WritePlan(int(seq_id), p[0], p[-1])
+        plan = WritePlan(_as_int(seq_id, "seq_id"), p[0], p[-1])
         self.cache.check_writes([plan])
-        if self.prefill_scratch is None:  # row by row through the decode path
-            for i in range(len(p)):
-                self._step_checked([plan.seq_id], tokens[i:i + 1], hidden[i:i + 1], positions[i:i + 1])
-            return
-        slots = self.cache.commit(plan)
-        c = self.prefill_scratch.rows
-        with ops.running(self.backend, self.device):
-            for a in range(0, len(p), c):
-                self._write_rows(tokens[a:a + c], hidden[a:a + c], positions[a:a + c], slots[a:a + c])
+        with self._all_or_nothing([plan]):
+            if self.prefill_scratch is None:  # row by row through the decode path
+                for i in range(len(p)):
+                    self._step_checked([plan.seq_id], tokens[i:i + 1], hidden[i:i + 1], positions[i:i + 1])
+                return
+            slots = self.cache.commit(plan)
+            c = self.prefill_scratch.rows
+            with ops.running(self.backend, self.device):
+                for a in range(0, len(p), c):
+                    self._write_rows(tokens[a:a + c], hidden[a:a + c], positions[a:a + c], slots[a:a + c])
 
     @torch.inference_mode()
     def step(self, seq_ids: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
@@ -75,8 +79,10 @@ class DraftHead(nn.Module):
         """One row per sequence. Returns (logits [B, draft_vocab], hidden_out [B, H])."""
         ids = self._check_seq_ids(seq_ids)
         tokens, hidden, positions = self._check_rows(tokens, hidden, positions, batch=len(ids))
-        self.cache.check_writes([WritePlan(i, p, p) for i, p in zip(ids, positions.tolist())])
-        return self._step_checked(ids, tokens, hidden, positions)
+        plans = [WritePlan(i, p, p) for i, p in zip(ids, positions.tolist())]
+        self.cache.check_writes(plans)
+        with self._all_or_nothing(plans):
+            return self._step_checked(ids, tokens, hidden, positions)
 
     @torch.inference_mode()
     def propose(self, seq_ids: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -87,23 +93,25 @@ class DraftHead(nn.Module):
         tokens, hidden, positions = self._check_rows(tokens, hidden, positions, batch=len(ids))
         if not isinstance(k, int) or k < 1:
             raise InputError("k", k, "must be an int >= 1", "ask for at least one draft token")
-        self.cache.check_writes([WritePlan(i, p, p + k - 1) for i, p in zip(ids, positions.tolist())])
+        plans = [WritePlan(i, p, p + k - 1) for i, p in zip(ids, positions.tolist())]
+        self.cache.check_writes(plans)
         drafts = []
-        for _ in range(k):
-            logits, hidden = self._step_checked(ids, tokens, hidden, positions)
-            with ops.running(self.backend, self.device):
-                tokens = argmax(logits)
-            drafts.append(tokens)
-            positions = positions + 1
+        with self._all_or_nothing(plans):
+            for _ in range(k):
+                logits, hidden = self._step_checked(ids, tokens, hidden, positions)
+                with ops.running(self.backend, self.device):
+                    tokens = argmax(logits)
+                drafts.append(tokens)
+                positions = positions + 1
         return torch.stack(drafts, dim=1)
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Keep positions below `length` (end = min(end, length)); the blocks past it go back to the pool."""
-        self.cache.truncate(int(seq_id), int(length))
+        self.cache.truncate(_as_int(seq_id, "seq_id"), _as_int(length, "length"))
 
     def free(self, seq_id: int) -> None:
         """Forget the sequence and give its blocks back."""
-        self.cache.free(int(seq_id))
+        self.cache.free(_as_int(seq_id, "seq_id"))
 
     # --- for the families ----------------------------------------------------------------------------
     def _write_rows(self, tokens, hidden, positions, slots) -> None:
@@ -113,6 +121,17 @@ class DraftHead(nn.Module):
         raise NotImplementedError
 
     # --- internals -----------------------------------------------------------------------------------
+    @contextmanager
+    def _all_or_nothing(self, writes: list[WritePlan]) -> Iterator[None]:
+        """Run checked writes; if the forward raises part-way (an op with no provider under backend=triton,
+        an interrupt), put the cache back as it was, so a refused call changes nothing (DESIGN 5)."""
+        undo = self.cache.save(writes)
+        try:
+            yield
+        except BaseException:
+            self.cache.restore(undo)
+            raise
+
     def _step_checked(self, ids: list[int], tokens, hidden, positions):
         plist = positions.tolist()
         slots = torch.cat([self.cache.commit(WritePlan(i, p, p)) for i, p in zip(ids, plist)])
@@ -131,7 +150,8 @@ class DraftHead(nn.Module):
         tokens, positions = torch.as_tensor(tokens), torch.as_tensor(positions)
         n = tokens.shape[0] if tokens.dim() == 1 else -1
         for name, t in (("tokens", tokens), ("positions", positions)):
-            if t.dim() != 1 or t.dtype not in INT_DTYPES or t.numel() == 0 or (batch is not None and t.numel() != batch):
+            wrong_rows = batch is not None and t.numel() != batch
+            if t.dim() != 1 or t.dtype not in INT_DTYPES or t.numel() == 0 or wrong_rows:
                 raise InputError(name, f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}",
                                  "a non-empty 1-D integer tensor"
                                  f"{f' of {batch} rows' if batch else ''}", f"pass {name} as a LongTensor [rows]")
@@ -151,3 +171,13 @@ class DraftHead(nn.Module):
         if bool((positions < 0).any()):
             raise InputError("positions", int(positions.min()), "must be >= 0", "pass absolute positions")
         return tokens.to(self.device), hidden, positions.to(self.device)
+
+
+def _as_int(value, field: str) -> int:
+    """An integer argument (an int, or an integer 0-d tensor / numpy scalar); a float or bool is refused."""
+    try:
+        if not isinstance(value, bool):
+            return operator.index(value)
+    except TypeError:
+        pass
+    raise InputError(field, value, "an integer", f"pass {field} as an int")

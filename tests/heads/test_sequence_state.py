@@ -165,6 +165,80 @@ def test_hole_is_refused_and_changes_nothing(head):
         assert_unchanged(head, snap)
 
 
+# --- a call whose forward fails part-way changes nothing ---------------------------------------------
+def fail_after(n: int, real):
+    """`real`, except that its n-th call raises after running (so what it wrote stays written)."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == n:
+            raise mtpfactory.ConfigError("runtime.backend", "triton", "op ffn has no triton provider", "(a test)")
+        return out
+
+    return wrapped
+
+
+def live(head):
+    """What a caller can observe: each sequence's (start, end, blocks) and the K/V of its written range, the
+    blocks in use, and the free list (which blocks the next write takes)."""
+    seqs = {i: (state(head, i), *seq_kv(head, i)) for i in head.cache.seqs}
+    return seqs, head.cache.blocks_in_use, list(head.cache._free)
+
+
+def assert_live_unchanged(head, before, call: str) -> None:
+    seqs, in_use, free = live(head)
+    assert {i: s[0] for i, s in seqs.items()} == {i: s[0] for i, s in before[0].items()}, call
+    assert all(torch.equal(a, b) for i in seqs for a, b in zip(seqs[i][1:], before[0][i][1:])), call
+    assert (in_use, free) == before[1:], call
+
+
+@pytest.mark.parametrize("drafter_prefill", [True, False])
+def test_a_call_whose_forward_fails_changes_nothing(drafter_prefill, monkeypatch):
+    head = built(f"levers.drafter_prefill={drafter_prefill}")
+    prefill(head, 1, rows(20, 1))
+    prefill(head, 2, rows(5, 2), start=30)  # a cold sequence: holds [30, 35)
+    before = live(head)
+    r = rows(6, 3)
+    calls = {  # (the call, the part that fails, on which of its calls)
+        "step appending": (lambda: step(head, 1, r, 20), "ffn", 1),
+        "step rewriting one, appending the other": (
+            lambda: head.step(torch.tensor([1, 2]), r[0][:2], r[1][:2], torch.tensor([10, 35])), "ffn", 1),
+        "propose over the end, second step fails": (
+            lambda: head.propose(torch.tensor([1]), r[0][:1], r[1][:1], torch.tensor([18]), 4), "ffn", 2),
+        "prefill rewriting": (lambda: prefill(head, 1, r, start=8), "write", 1),
+        "prefill of a new sequence": (lambda: prefill(head, 3, r, start=40), "write", 1),
+    }
+    for name, (call, part, n) in calls.items():
+        with monkeypatch.context() as m:
+            if part == "ffn" or not drafter_prefill:  # row by row, a prefill runs the decode path
+                m.setattr(head.ffn, "forward", fail_after(n if part == "ffn" else 3, head.ffn.forward))
+            else:
+                m.setattr(head.attention, "write_kv", fail_after(n, head.attention.write_kv))
+            with pytest.raises(mtpfactory.ConfigError, match="no triton provider"):
+                call()
+        assert_live_unchanged(head, before, name)
+    ref = built(f"levers.drafter_prefill={drafter_prefill}", copy=1)
+    prefill(ref, 1, rows(20, 1))
+    assert_rel_close(step(head, 1, r, 20), step(ref, 1, r, 20))
+    reset(head)
+    reset(ref)
+
+
+def test_a_sequence_id_or_length_that_is_not_an_integer_is_refused(head):
+    r = rows(4, 1)
+    prefill(head, 1, r)
+    snap = snapshot(head)
+    calls = [lambda: head.prefill(1.7, r[0], r[1], torch.arange(4)), lambda: head.truncate(1.0, 2),
+             lambda: head.truncate(1, 2.5), lambda: head.free(True), lambda: head.free(torch.tensor(1.0))]
+    for call in calls:
+        with pytest.raises(mtpfactory.InputError, match="an integer"):
+            call()
+        assert_unchanged(head, snap)
+    head.free(torch.tensor(1))  # an integer 0-d tensor is an integer
+
+
 # --- truncate -----------------------------------------------------------------------------------------
 def test_truncate_then_restep_equals_fresh_sequence(head, ref):
     hist, tail = rows(30, 1), rows(6, 2)
