@@ -49,7 +49,8 @@ def _check_demo(cfg: DictConfig) -> None:
             raise ConfigError(key, value, "must be >= 1", "use the default (mtpfactory/config/schema.py)")
     if cfg.runtime.max_seq_len < d.k + 2:  # at least one prefilled row, then k drafts
         raise ConfigError("demo.k", d.k, f"needs runtime.max_seq_len >= demo.k + 2 "
-                          f"(runtime.max_seq_len={cfg.runtime.max_seq_len})", "lower demo.k or raise runtime.max_seq_len")
+                          f"(runtime.max_seq_len={cfg.runtime.max_seq_len})",
+                          "lower demo.k or raise runtime.max_seq_len")
 
 
 def _demo(cfg: DictConfig, head: mtpfactory.DraftHead) -> dict[str, str]:
