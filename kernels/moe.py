@@ -18,6 +18,8 @@ Triton providers (DESIGN 4):
      sigmoid(shared_gate) * shared_out in fp32 and stores [N, H] once; with several (chosen so the grid
      has a few programs per SM: a decode step has few rows and tiles) each stores fp32 partials and
      `_moe_blend_kernel` sums them in split order and blends. No atomics: deterministic.
+  Expert ids outside [0, E) are invalid (the reference refuses them); checking them here would need a host
+  sync, so the kernels skip them (they contribute nothing) and never index outside the weights.
   NVFP4 tiles are decoded in the kernel, W4A16: E2M1 codes with integer ops and a table of the doubled
   magnitudes packed in one int32, E4M3 block scales from their uint8 bits (a native fp8 conversion on
   the GPU, integer math under the interpreter), weight = value * (scale * global) in fp32 rounded to
@@ -68,7 +70,7 @@ def _moe_route_softmax_native(router_logits: torch.Tensor, top_k: int, renormali
     return (weights, ids) if out is None else (out[0].copy_(weights), out[1].copy_(ids))
 
 
-def _moe_native(x: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+def _moe_native(x: torch.Tensor, num_experts: int, expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, shared_out: torch.Tensor | None,
                 shared_gate: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
     """The MoE maths shared by both references; `expert(e)` gives (w_gate_up [2I, H], w_down [H, I]) in x's dtype.
@@ -77,8 +79,13 @@ def _moe_native(x: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, tor
     dtype (so each expert's output is rounded to x's dtype); the output is weighted by its fp32 routing
     weight and accumulated in fp32; sigmoid(shared_gate) * shared_out is added in fp32; one final
     rounding to x's dtype."""
+    chosen = torch.unique(topk_ids).tolist()                             # ascending
+    if chosen and not 0 <= chosen[0] <= chosen[-1] < num_experts:
+        raise InputError("topk_ids", chosen[0] if chosen[0] < 0 else chosen[-1],
+                         f"expert ids lie in [0, {num_experts}) for these {num_experts} experts",
+                         "route over these experts' logits (moe_route_softmax)")
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)    # [N, H]
-    for e in torch.unique(topk_ids).tolist():
+    for e in chosen:
         rows, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         w_gate_up, w_down = expert(e)
         inter = w_down.shape[-1]
@@ -96,7 +103,7 @@ def _fused_moe_native(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
                       shared_gate: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                       workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x: [N, H]; w_gate_up: [E, 2I, H] (gate rows first); w_down: [E, H, I], both in x's dtype;
-    topk_weights (fp32), topk_ids: [N, k], ids distinct within a row; shared_out [N, H] and shared_gate
+    topk_weights (fp32), topk_ids: [N, k], ids in [0, E) (others refused); shared_out [N, H] and shared_gate
     [N, 1] (logits) in x's dtype, optional together. `out` [N, H] (rows contiguous, their stride free)
     receives the result when given; `workspace` [N * k, I] contiguous is scratch for the fast providers
     (checked, unused here). Both in x's dtype.
@@ -104,8 +111,8 @@ def _fused_moe_native(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
     Returns sum_j w_j * down_j(silu(gate_j x) * up_j x) + sigmoid(shared_gate) * shared_out, [N, H] in
     x's dtype, reading only the selected experts (rounding order: see `_moe_native`)."""
     _check_moe_buffers(x, topk_ids.shape[1], w_down.shape[-1], shared_out, shared_gate, out, workspace)
-    return _moe_native(x, lambda e: (w_gate_up[e], w_down[e]), topk_weights, topk_ids, shared_out, shared_gate,
-                       out)
+    return _moe_native(x, w_gate_up.shape[0], lambda e: (w_gate_up[e], w_down[e]), topk_weights, topk_ids,
+                       shared_out, shared_gate, out)
 
 
 def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: torch.Tensor,
@@ -130,7 +137,7 @@ def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: 
         down = dequantize_nvfp4(dn_weight[e], dn_scale[e], dn_global[e], x.dtype, f"experts.{e}.down_proj.weight")
         return torch.cat([gate, up]), down                                # [2I, H], [H, I]
 
-    return _moe_native(x, expert, topk_weights, topk_ids, shared_out, shared_gate, out)
+    return _moe_native(x, gu_weight.shape[0], expert, topk_weights, topk_ids, shared_out, shared_gate, out)
 
 
 # Checks both providers make before they write anything, so that a call means the same under either.
@@ -242,17 +249,28 @@ def _group_pairs(ids_ptr, N, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.const
 
 
 @triton.jit
-def _candidate(ids_ptr, ids, local, first, c, n_pairs, BY_EXPERT: tl.constexpr):
-    """Candidate c of a row group whose pairs start at `first`: expert c (BY_EXPERT), or the expert of the
-    group's pair c. Returns (expert id int64, owned): owned when a row of the group chose that expert and,
-    by pairs, no earlier pair of the group did, so each selected expert is read once per group."""
+def _candidate(ids_ptr, ids, local, first, c, n_pairs, E, BY_EXPERT: tl.constexpr):
+    """Candidate c of a row group whose pairs start at `first`: expert c (BY_EXPERT, c < E), or the expert of
+    the group's pair c. Returns (expert id int64, owned): owned when a row of the group chose that expert,
+    it lies in [0, E) and, by pairs, no earlier pair of the group chose it, so each selected expert is read
+    once per group and no id reads outside the weights."""
     if BY_EXPERT:
         e = tl.max(tl.where(ids == c, ids, -1), axis=None)
         owned = e >= 0
     else:
         e = tl.load(ids_ptr + first + c, mask=first + c < n_pairs, other=-1)
-        owned = (e >= 0) & (tl.sum(((ids == e) & (local < c)).to(tl.int32), axis=None) == 0)
+        owned = (e >= 0) & (e < E) & (tl.sum(((ids == e) & (local < c)).to(tl.int32), axis=None) == 0)
     return e, owned
+
+
+@triton.jit
+def _expert_rows(ids, e, KP: tl.constexpr):
+    """The group's pairs that chose expert e [BM, KP], the rows that did [BM], and each such row's slot
+    holding e."""
+    hit = ids == e
+    has = tl.max(hit.to(tl.int32), axis=1) > 0
+    slot = tl.sum(tl.where(hit, tl.arange(0, KP)[None, :], 0), axis=1)
+    return hit, has, slot
 
 
 @triton.jit
@@ -298,7 +316,7 @@ def _moe_route_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_lm,
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr,
-                        N, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                        N, H, I, E, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                         C, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr,
                         BH: tl.constexpr, BY_EXPERT: tl.constexpr, NVFP4: tl.constexpr, ACT: tl.constexpr,
                         INTERP: tl.constexpr):
@@ -307,11 +325,9 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr,
     group = tl.program_id(0) // C
     rows, ids, local = _group_pairs(ids_ptr, N, TOP_K, KP, BM, group)
     e, owned = _candidate(ids_ptr, ids, local, group * BM * TOP_K, tl.program_id(0) % C,
-                          N * TOP_K, BY_EXPERT)
+                          N * TOP_K, E, BY_EXPERT)
     if owned:
-        hit = ids == e                                                                     # [BM, KP]
-        has = tl.max(hit.to(tl.int32), axis=1) > 0                                         # [BM]
-        slot = tl.sum(tl.where(hit, tl.arange(0, KP)[None, :], 0), axis=1)                # [BM]
+        hit, has, slot = _expert_rows(ids, e, KP)                                          # [BM, KP], [BM]
         ii = tl.program_id(1) * BI + tl.arange(0, BI)
         i_ok = ii < I
         e64 = e.to(tl.int64)                               # a large stride_we times e needs 64 bits
@@ -354,8 +370,8 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr,
 
 @triton.jit
 def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr, out_ptr, part_ptr,
-                     N, H, I, stride_we, stride_wn, stride_se, stride_sn, stride_som, stride_sgm, stride_om,
-                     C, SPLIT, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BHO: tl.constexpr,
+                     N, H, I, E, stride_we, stride_wn, stride_se, stride_sn, stride_som, stride_sgm,
+                     stride_om, C, SPLIT, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BHO: tl.constexpr,
                      BI: tl.constexpr, BY_EXPERT: tl.constexpr, NVFP4: tl.constexpr, HAS_SHARED: tl.constexpr,
                      PARTIAL: tl.constexpr, ACT: tl.constexpr, INTERP: tl.constexpr):
     """out[n, o] = sum_j tw[n, j] * round(down_e h[n * k + j])_o + sigmoid(sg[n]) * so[n, o], over one tile
@@ -373,11 +389,9 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
     acc = tl.zeros((BM, BHO), tl.float32)
     first = group * BM * TOP_K
     for c in range(split, C, SPLIT):
-        e, owned = _candidate(ids_ptr, ids, local, first, c, N * TOP_K, BY_EXPERT)
+        e, owned = _candidate(ids_ptr, ids, local, first, c, N * TOP_K, E, BY_EXPERT)
         if owned:
-            hit = ids == e
-            has = tl.max(hit.to(tl.int32), axis=1) > 0                                     # [BM]
-            slot = tl.sum(tl.where(hit, slots[None, :], 0), axis=1)
+            hit, has, slot = _expert_rows(ids, e, KP)                                      # [BM, KP], [BM]
             weight = tl.sum(tl.where(hit, tw, 0.0), axis=1)                                # [BM], 0 off e
             hrow = h_ptr + (rows * TOP_K + slot)[:, None] * I                              # [BM, 1]
             e64 = e.to(tl.int64)
@@ -491,7 +505,7 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     t = _tiles(hidden, inter, nvfp4)
     s_strides = (s_gu.stride(0), s_gu.stride(1)) if nvfp4 else (0, 0)
     _moe_gate_up_kernel[(groups * cand, triton.cdiv(inter, t["BI"]))](
-        x, ids, w_gu, s_gu, g_gu, h, n, hidden, inter, x.stride(0), w_gu.stride(0), w_gu.stride(1), *s_strides,
+        x, ids, w_gu, s_gu, g_gu, h, n, hidden, inter, w_gu.shape[0], x.stride(0), w_gu.stride(0), w_gu.stride(1), *s_strides,
         BI=t["BI"], BH=t["BH"], num_warps=t["warps"], **consts)
     # The down kernel walks a group's candidates one after another; split them over programs until the
     # grid has a few programs per SM, then sum the fp32 partials in a fixed order.
@@ -501,7 +515,8 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     strides = (so.stride(0), sg.stride(0), out.stride(0))
     s_strides = (s_dn.stride(0), s_dn.stride(1)) if nvfp4 else (0, 0)
     _moe_down_kernel[(groups * split, tiles)](
-        h, ids, tw, w_dn, s_dn, g_dn, so, sg, out, part, n, hidden, inter, w_dn.stride(0), w_dn.stride(1),
+        h, ids, tw, w_dn, s_dn, g_dn, so, sg, out, part, n, hidden, inter, w_dn.shape[0], w_dn.stride(0),
+        w_dn.stride(1),
         *s_strides, *strides, SPLIT=split, BHO=t["BHO"], BI=t["BI_K"], HAS_SHARED=has_shared, PARTIAL=split > 1,
         num_warps=t["warps"], **consts)
     if split > 1:

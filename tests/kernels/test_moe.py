@@ -245,13 +245,18 @@ def test_shared_blend_needs_both_arguments():
 
 # --- the Triton providers --------------------------------------------------------------------------------
 
-def run_both(op, x, args: dict, blend: dict, k: int, inter: int):
-    """(provider output into NaN-poisoned buffers, reference output)."""
+def run_triton(op, x, args: dict, k: int, inter: int) -> torch.Tensor:
+    """The Triton provider's output, written into NaN-poisoned buffers."""
     buffers = poisoned(x.shape[0], x.shape[1], k, inter, x.dtype, x.device)
     with ops.use_backend("triton"):
-        got = op(x, **args, **blend, **buffers)
+        got = op(x, **args, **buffers)
     assert got is buffers["out"]
-    return got, op.reference(x, **args, **blend)
+    return got
+
+
+def run_both(op, x, args: dict, blend: dict, k: int, inter: int):
+    """(provider output into NaN-poisoned buffers, reference output)."""
+    return run_triton(op, x, {**args, **blend}, k, inter), op.reference(x, **args, **blend)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -342,6 +347,49 @@ def test_fused_moe_refuses_buffers_that_do_not_fit(case, backend):
     with ops.use_backend(backend), pytest.raises(InputError, match=field):
         moe.fused_moe(x, w_gate_up, w_down, weights, ids, **buffers)
     assert all(bool((t == 7).all()) for t in buffers.values())
+
+
+def padded_experts(fmt: str, e: int, h: int, i: int, gen) -> tuple[object, dict[str, torch.Tensor]]:
+    """(op, its weight arguments) for E experts stored as the middle of E + 2, the two neighbours NaN: a
+    provider that reads expert -1 or E reads NaN."""
+    if fmt == "unq":
+        w_gate_up, w_down = experts(e + 2, h, i, torch.float32, gen)
+        for w in (w_gate_up, w_down):
+            w[0], w[-1] = float("nan"), float("nan")
+        return moe.fused_moe, dict(w_gate_up=w_gate_up[1:-1], w_down=w_down[1:-1])
+    q = nvfp4_experts(e + 2, h, i, gen)
+    for name in ("gu_global", "dn_global"):
+        q[name][0], q[name][-1] = float("nan"), float("nan")
+    return moe.fused_moe_nvfp4, {name: t[1:-1] for name, t in q.items()}
+
+
+@pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
+@pytest.mark.parametrize("e", [4, 9], ids=["by-expert", "by-pair"])
+def test_triton_skips_expert_ids_out_of_range(e, fmt):
+    """Ids -1 and E contribute nothing and read nothing outside the weights; valid pairs match the reference."""
+    n, k, h, i = 3, 2, 32, 32
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(n, h, generator=gen)
+    op, args = padded_experts(fmt, e, h, i, gen)
+    weights, ids = routing(n, e, k, gen)
+    bad_ids = ids.clone()
+    bad_ids[0, 1], bad_ids[1, 0] = -1, e
+    got = run_triton(op, x, dict(**args, topk_weights=weights, topk_ids=bad_ids), k, i)
+    want = op.reference(x, **args, topk_weights=weights.masked_fill(bad_ids != ids, 0.0), topk_ids=ids)
+    scaled_close(got, want, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("bad_id", [-1, 4])
+def test_reference_refuses_expert_ids_out_of_range(bad_id):
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 32, generator=gen)
+    w_gate_up, w_down = experts(4, 32, 32, torch.float32, gen)
+    weights, ids = routing(3, 4, 2, gen)
+    ids[1, 1] = bad_id
+    with pytest.raises(InputError, match=f"topk_ids={bad_id}: expert ids lie in \\[0, 4\\)"):
+        moe.fused_moe(x, w_gate_up, w_down, weights, ids)
+    with pytest.raises(InputError, match="topk_ids"):
+        moe.fused_moe_nvfp4(x, **nvfp4_experts(4, 32, 32, gen), topk_weights=weights, topk_ids=ids)
 
 
 def test_triton_backend_refuses_what_it_cannot_serve():
