@@ -19,7 +19,8 @@ Triton providers (DESIGN 4):
      has a few programs per SM: a decode step has few rows and tiles) each stores fp32 partials and
      `_moe_blend_kernel` sums them in split order and blends. No atomics: deterministic.
   Expert ids outside [0, E) are invalid (the reference refuses them); checking them here would need a host
-  sync, so the kernels skip them (they contribute nothing) and never index outside the weights.
+  sync, so the kernels skip them (they contribute nothing) and never index outside the weights. An id
+  repeated within a row counts once with its weights summed, which is the reference's result.
   NVFP4 tiles are decoded in the kernel, W4A16: E2M1 codes with integer ops and a table of the doubled
   magnitudes packed in one int32, E4M3 block scales from their uint8 bits (a native fp8 conversion on
   the GPU, integer math under the interpreter), weight = value * (scale * global) in fp32 rounded to
@@ -265,11 +266,12 @@ def _candidate(ids_ptr, ids, local, first, c, n_pairs, E, BY_EXPERT: tl.constexp
 
 @triton.jit
 def _expert_rows(ids, e, KP: tl.constexpr):
-    """The group's pairs that chose expert e [BM, KP], the rows that did [BM], and each such row's slot
-    holding e."""
+    """The group's pairs that chose expert e [BM, KP], the rows that did [BM], and each such row's first
+    slot holding e: a row that repeats e keeps one h row (no write lands outside its k slots) and counts
+    once with its weights summed, which is the reference's result."""
     hit = ids == e
     has = tl.max(hit.to(tl.int32), axis=1) > 0
-    slot = tl.sum(tl.where(hit, tl.arange(0, KP)[None, :], 0), axis=1)
+    slot = tl.min(tl.where(hit, tl.arange(0, KP)[None, :], KP), axis=1)
     return hit, has, slot
 
 

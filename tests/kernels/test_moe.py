@@ -392,6 +392,22 @@ def test_reference_refuses_expert_ids_out_of_range(bad_id):
         moe.fused_moe_nvfp4(x, **nvfp4_experts(4, 32, 32, gen), topk_weights=weights, topk_ids=ids)
 
 
+@pytest.mark.parametrize("e", [4, 12], ids=["by-expert", "by-pair"])
+def test_fused_moe_triton_repeated_ids_in_a_row(e):
+    """A row that names an expert twice or three times (k 3) gets the reference's result, the expert
+    weighted by the sum; the kernels keep one workspace row for it (the last row's would lie past the end)."""
+    n, k, h, i = 3, 3, 32, 32
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(n, h, generator=gen)
+    w_gate_up, w_down = experts(e, h, i, torch.float32, gen)
+    weights, ids = routing(n, e, k, gen)
+    ids[1, 1] = ids[1, 0]
+    ids[2] = ids[2, 0]
+    got, want = run_both(moe.fused_moe, x, dict(w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights,
+                                                topk_ids=ids), {}, k, i)
+    scaled_close(got, want, TOL[torch.float32])
+
+
 def test_triton_backend_refuses_what_it_cannot_serve():
     """Weights in another dtype than x: no Triton provider serves it, and backend=triton says so."""
     x = torch.randn(2, 32)
