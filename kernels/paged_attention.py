@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op, check_out, triton_can_run, write_out
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
@@ -27,15 +27,17 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 def _paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                    gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q, gate: [B, q_heads, D]; k_cache, v_cache: [blocks, block_size, kv_heads, D] (float or FP8 E4M3);
-    k_scale, v_scale: fp32 [blocks, block_size, kv_heads] or None (unit scales);
+                                   v_scale: torch.Tensor | None = None, *,
+                                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """q, gate: [B, q_heads, D] (gate in any float dtype); k_cache, v_cache: [blocks, block_size, kv_heads, D]
+    (float or FP8 E4M3); k_scale, v_scale: fp32 [blocks, block_size, kv_heads] or None (unit scales);
     block_tables: [B, max_blocks] int (a row's slots in order); context_lens: [B] int (slots to attend).
 
-    Softmax in fp32; returns [B, q_heads, D] in q's dtype (a row with no context gives zeros)."""
+    Softmax in fp32; returns [B, q_heads, D] in q's dtype (a row with no context gives zeros), written into
+    `out` when given."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
+    y = torch.empty_like(q)
     for i in range(b):
         n = int(context_lens[i])
         blocks = block_tables[i, : (n + bs - 1) // bs].long()
@@ -48,10 +50,10 @@ def _paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         k = k.repeat_interleave(hq // hkv, dim=1)  # [n, q_heads, D]
         v = v.repeat_interleave(hq // hkv, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale  # [q_heads, n]
-        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
+        y[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
     if gate is not None:
-        out = out * torch.sigmoid(gate)
-    return out
+        y = (y * torch.sigmoid(gate)).to(q.dtype)  # a gate of a wider dtype would promote the product
+    return write_out(out, y)
 
 
 # --- Triton -------------------------------------------------------------------------------------------
@@ -180,8 +182,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   v_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                                   num_splits: int | None = None, block_n: int = 16,
                                   num_warps: int = 4, fast_dot: bool = False) -> torch.Tensor:
-    """The Triton provider; same arguments as the reference, plus `out` (written in place and returned),
-    `num_splits` (context splits per sequence; None picks from the GPU's size, 1 on the CPU),
+    """The Triton provider; same arguments as the reference (`out`: written in place and returned, any
+    strides), plus `num_splits` (context splits per sequence; None picks from the GPU's size, 1 on the CPU),
     `block_n` (tokens per tile, a power of two >= 16) and `num_warps`. Never synchronizes with the host.
 
     The dots take fp32 operands (tf32 on the GPU: exact products for 16-bit and FP8 inputs, p rounded to
@@ -192,7 +194,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     group = hq // hkv
     g_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
     d_pad = max(16, triton.next_power_of_2(d))
-    if out is None:
+    if out is not None:
+        check_out(out, q.shape, q.dtype, q.device)
+    else:
         out = torch.empty_like(q)
     if b == 0:
         return out

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
+from mtpfactory.errors import InputError
 from mtpfactory.kernels.paged_attention import paged_decode_attention
 
 # The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
@@ -164,6 +165,24 @@ def test_triton_ungated_and_strided_q():
         torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[torch.bfloat16])
     args = (q, k, v, tables, lens, scale)
     torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_output_in_q_dtype_whatever_the_gate_and_out_which_every_provider_takes(backend):
+    """A bf16 q with an fp32 gate gives bf16 from every provider (the reference's product would promote);
+    `out` a strided view is written by its strides; an `out` of another shape or dtype is refused by both."""
+    q, k, v, tables, lens, scale, gate, _, _ = make_case(2, 4, 2, 16, 4, [5, 9], "bf16", torch.bfloat16, seed=4)
+    args = (q, k, v, tables, lens, scale, gate.float())
+    want = paged_decode_attention.reference(*args)
+    assert want.dtype == torch.bfloat16
+    wide = torch.full((2, 4, 32), float("nan"), dtype=torch.bfloat16)
+    with ops.use_backend(backend):
+        got = paged_decode_attention(*args, out=wide[..., 8:24])
+        assert got.dtype == torch.bfloat16 and wide[..., :8].isnan().all() and wide[..., 24:].isnan().all()
+        torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+        for bad in (torch.empty(2, 4, 16), torch.empty(2, 4, 8, dtype=torch.bfloat16)):
+            with pytest.raises(InputError, match="out="):
+                paged_decode_attention(*args, out=bad)
 
 
 # --- GPU: realistic shapes (Qwen3-Next: 16 q / 2 kv heads, head_dim 256, block 16) -------------------------
