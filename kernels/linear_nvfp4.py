@@ -1038,14 +1038,26 @@ def x_pass_split(x: torch.Tensor, n: int, k: int, split_k: bool) -> int | None:
     return plan.k_per_split if runs_x_pass(x, n, k, plan) else None
 
 
-def planned_x_pairs(x: torch.Tensor, n: int, k: int, split_k: bool) -> XPairs | None:
+def planned_x_pairs(x: torch.Tensor, n: int, k: int, split_k: bool, weight: torch.Tensor | None = None,
+                    weight_scale: torch.Tensor | None = None) -> XPairs | None:
     """Empty `XPairs` for the kernel that computes x [M, k] to fill (the final norm), as the planned call of x
     on an [n, k] weight reads them: its plan's K slices, and the order of the kernel it runs (`XPairs.order`);
-    None where that call runs no x pass."""
-    plan = default_plan(x, n, k, split_k)
+    None where that call runs no x pass. Given the weight and its scales, the plan is the one the call makes
+    for them (`planned`: no wgmma kernel where its TMA cannot read them); without, one for a weight it can."""
+    plan = default_plan(x, n, k, split_k) if weight is None else planned(x, n, k, split_k, weight, weight_scale)[0]
     if not runs_x_pass(x, n, k, plan):
         return None
     return XPairs.empty(x.shape[0], k, plan.k_per_split, x.device, _pairs_order(plan))
+
+
+def planned(x: torch.Tensor, n: int, k: int, split_k: bool, weight: torch.Tensor,
+            weight_scale: torch.Tensor) -> tuple[GemvPlan, str | None]:
+    """The plan of a call without one: `default_plan`, made again without the wgmma kernel where its TMA cannot
+    read the weight or its scales (a view the Triton kernels read), and why it was dropped (else None)."""
+    plan = default_plan(x, n, k, split_k)                            # wgmma only where x and the shapes allow
+    if plan.wgmma and (why := wgmma_operand_refusal(weight, weight_scale)):
+        return default_plan(x, n, k, split_k, wgmma=False), why
+    return plan, None
 
 
 def default_plan(x: torch.Tensor, n: int, k: int, split_k: bool, wgmma: bool = True) -> GemvPlan:
@@ -1094,12 +1106,10 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     given = plan is not None
     if not given:
-        plan = default_plan(x, n, k, split_k)                        # wgmma only where x and the shapes allow
-        if plan.wgmma and (why := wgmma_operand_refusal(words, scale_bits)):
-            if x_pairs is not None and x_pairs.order:
-                raise ValueError(f"x_pairs: made in the wgmma kernel's order ({x_pairs.order}), which cannot run "
-                                 f"here: {why}")
-            plan = default_plan(x, n, k, split_k, wgmma=False)       # e.g. a weight view TMA cannot read
+        plan, why = planned(x, n, k, split_k, weight, weight_scale)
+        if why and x_pairs is not None and x_pairs.order:
+            raise ValueError(f"x_pairs: made in the wgmma kernel's order ({x_pairs.order}), which cannot run "
+                             f"here: {why}")
     if plan.block_k % NVFP4_BLOCK or (plan.use_dot and plan.block_k < 32):
         raise ValueError(f"plan: block_k = {plan.block_k}; NVFP4 tiles hold whole 16-element blocks (block_k a "
                          "multiple of 16, at least 32 on the tl.dot path, where a dot takes K >= 16): use one of "

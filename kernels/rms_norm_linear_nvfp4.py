@@ -6,6 +6,8 @@ The reference is the two references in turn. The Triton provider runs the two Tr
 but where the GEMV's plan runs x's pass (`planned_x_pairs`: 16-bit x, several rows or a weight of 2^26
 elements or more, the LM heads) the norm makes that pass's pairs and exponents from the row it holds in
 registers (`rms_norm_triton(x_pairs=...)`) and the GEMV reads them: one launch fewer, and no reload of x.
+The pairs are planned for this weight (`planned_x_pairs(..., weight, weight_scale)`), so they are in the
+order of the kernel the GEMV runs on it (not the wgmma kernel's where its TMA cannot read the weight).
 The GEMV is then a programmatic dependent launch after the norm (`linear.x_pass_pdl`). Its results equal
 the two providers' in turn bit for bit.
 """
@@ -42,7 +44,7 @@ def rms_norm_linear_nvfp4_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps
                                  weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                                  residual: torch.Tensor | None = None, split_work: bool = True):
     m, k = x.shape
-    x_pairs = None if m == 0 else planned_x_pairs(x, weight.shape[0], k, split_work)
+    x_pairs = None if m == 0 else planned_x_pairs(x, weight.shape[0], k, split_work, weight, weight_scale)
     pdl = x_pairs is not None and x_pass_pdl(x)
     normed = rms_norm_triton(x, norm_weight, eps, zero_centred, residual, x_pairs=x_pairs, pdl=pdl)
     y = normed if residual is None else normed[0]

@@ -16,6 +16,7 @@ import importlib
 import pytest
 import torch
 
+from mtpfactory import ops
 from mtpfactory.kernels.gemm_nvfp4_wgmma import ORDER, TILES, WgmmaTile, block_m, dot_order
 from mtpfactory.kernels.linear_nvfp4 import (
     WGMMA_MIN_M,
@@ -26,6 +27,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
     uses_f16_gemv,
 )
 from mtpfactory.kernels.rms_norm import rms_norm_triton
+from mtpfactory.kernels.rms_norm_linear_nvfp4 import _rms_norm_linear_nvfp4_supports, rms_norm_linear_nvfp4
 from mtpfactory.quant import dequantize_nvfp4
 from gemv_common import F16_SUM_RTOL, SUM_RTOL, assert_matches, nvfp4_inputs, x_pass_reference
 
@@ -183,13 +185,42 @@ def test_a_planned_wgmma_call_on_weights_tma_cannot_read_plans_again_without_it(
         planner(x, n, k, split_k), wgmma=wgmma))
     w = dequantize_nvfp4(weight, scale, scale_2)
     out = linear_nvfp4_triton(x, shifted, scale, scale_2)
-    assert_matches(out, (x.float() @ w.T).to(x.dtype), x.float().abs() @ w.abs().T, sum_rtol=F16_SUM_RTOL)
+    fallback = default_plan(x, n, k, False, wgmma=False)            # on the CPU the bf16 dot: its bound
+    assert_matches(out, (x.float() @ w.T).to(x.dtype), x.float().abs() @ w.abs().T,
+                   sum_rtol=F16_SUM_RTOL if uses_f16_gemv(x, fallback) else SUM_RTOL)
     made = XPairs.empty(m, k, k, x.device, ORDER)
     out = torch.full((m, n), 3.0, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"x_pairs: made in the wgmma kernel's order \(256\), which cannot run "
                                          r"here: weight starts 4 bytes past a 16-byte boundary"):
         linear_nvfp4_triton(x, shifted, scale, scale_2, out=out, x_pairs=made)
     assert bool((out == 3.0).all())
+
+
+@pytest.mark.parametrize("m", [4, 8])
+def test_the_fused_op_plans_its_pairs_for_a_weight_tma_cannot_read(m, monkeypatch):
+    """The final norm's pairs (`rms_norm_linear_nvfp4`) are planned for the weight the GEMV then reads: on a
+    forced wgmma plan and a weight 4 bytes past a 16-byte boundary, in the order of the Triton kernel that runs
+    instead (the GEMV of several rows at M = 4 on an LM head's plan) or none (the bf16 dot at M = 8), not the
+    wgmma kernel's, which the GEMV would refuse. The op's predicate accepts the call and it runs, equal to the
+    two Triton providers in turn."""
+    monkeypatch.setattr(linear_nvfp4, "LM_HEAD_MIN_ELEMENTS", 0)
+    n, k = 64, 512
+    x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=m)
+    shifted = torch.empty(weight.numel() + 16, dtype=torch.uint8)[4:4 + weight.numel()].view_as(weight)
+    shifted.copy_(weight)
+    planner = linear_nvfp4.default_plan
+    monkeypatch.setattr(linear_nvfp4, "default_plan", lambda x, n, k, split_k, wgmma=True: dataclasses.replace(
+        planner(x, n, k, split_k), wgmma=wgmma))
+    assert planned_x_pairs(x, n, k, True).order == ORDER                 # a weight TMA can read
+    made = planned_x_pairs(x, n, k, True, shifted, scale)
+    assert (None if made is None else made.order) == (0 if m == 4 else None)
+    norm_w = (0.5 * torch.randn(k, generator=torch.Generator().manual_seed(m))).to(torch.bfloat16)
+    args = (x, norm_w, 1e-6, True, shifted, scale, scale_2)
+    with ops.use_backend("triton"):
+        assert _rms_norm_linear_nvfp4_supports(*args)
+        logits, y = rms_norm_linear_nvfp4(*args)
+        assert torch.equal(y, rms_norm_triton(x, norm_w, 1e-6, True))
+        assert torch.equal(logits, linear_nvfp4_triton(y, shifted, scale, scale_2, split_k=True))
 
 
 def test_planned_pairs_carry_the_order_of_the_kernel_that_reads_them(monkeypatch):
