@@ -20,6 +20,7 @@ from mtpfactory.ops import Op, check_out, triton_can_run, write_out
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
+_INTS = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -78,7 +79,7 @@ def _paged_decode_kernel(
         pacc_ptr, pm_ptr, pl_ptr,  # split partials: [B, kv_heads, S, G_PAD, D_PAD], [B, kv_heads, S, G_PAD] x2
         scale_log2e, block_size, split_len,
         s_qb, s_qh, s_qd, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
-        s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_gb, s_gh, s_gd, s_ob, s_oh, s_od, s_btb,
+        s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_gb, s_gh, s_gd, s_ob, s_oh, s_od, s_btb, s_btn,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_K_SCALE: tl.constexpr,
         HAS_V_SCALE: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -105,7 +106,7 @@ def _paged_decode_kernel(
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)  # token positions in the sequence
         t_mask = t < end
-        blk = tl.load(bt_ptr + pid_b * s_btb + t // block_size, mask=t_mask, other=0).to(tl.int64)
+        blk = tl.load(bt_ptr + pid_b * s_btb + (t // block_size) * s_btn, mask=t_mask, other=0).to(tl.int64)
         off = t % block_size
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + (blk * s_kb + off * s_kt + pid_h * s_kh)[:, None] + d[None, :] * s_kd,
@@ -220,10 +221,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     vs_st = v_scale.stride() if v_scale is not None else (0, 0, 0)
     consts = dict(GROUP=group, G_PAD=g_pad, HEAD_DIM=d, D_PAD=d_pad, HAS_GATE=gate is not None)
     _paged_decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, ks, vs, gt, block_tables, context_lens, out, pacc, pm, pl,
+        q, k_cache, v_cache, ks, vs, gt, block_tables, context_lens.contiguous(), out, pacc, pm, pl,
         scale * _LOG2E, bs, split_len,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *ks_st, *vs_st, *gt.stride(), *out.stride(),
-        block_tables.stride(0),
+        *block_tables.stride(),
         BLOCK_N=block_n, NUM_SPLITS=splits, HAS_K_SCALE=k_scale is not None,
         HAS_V_SCALE=v_scale is not None, DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if exact else "tf32", num_warps=num_warps,
@@ -251,7 +252,8 @@ def _triton_supports(q, k_cache, v_cache, block_tables, context_lens, scale, gat
     for s in (k_scale, v_scale):
         if s is not None and (s.dtype != torch.float32 or s.shape != k_cache.shape[:3]):
             return False
-    return not block_tables.dtype.is_floating_point and not context_lens.dtype.is_floating_point
+    return (block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0] and context_lens.shape == q.shape[:1]
+            and block_tables.dtype in _INTS and context_lens.dtype in _INTS)
 
 
 paged_decode_attention = Op("paged_decode_attention", _paged_decode_attention_native)

@@ -167,6 +167,22 @@ def test_triton_ungated_and_strided_q():
     torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("kv, q_dtype", [("bf16", torch.bfloat16), ("fp8_scaled", torch.float32)])
+def test_triton_context_of_length_one(kv, q_dtype, num_splits):
+    """One token: the softmax is a single 1 and the output that token's V (gated); beside a row of 5. Tables
+    of 6 blocks of 4 make 24 tokens, two splits of 16 when asked for two (the second empty for every row)."""
+    args = make_case(3, 4, 2, 16, 4, [1, 5, 1], kv, q_dtype, seed=11, spare_cols=4)
+    torch.testing.assert_close(run_triton(*args, num_splits=num_splits), run_native(*args), **TOL[q_dtype])
+
+
+def test_triton_strided_context_lens_and_column_major_block_tables():
+    q, k, v, tables, lens, scale, gate, _, _ = make_case(3, 4, 2, 16, 4, [13, 4, 9], "bf16", torch.bfloat16, seed=3)
+    args = (q, k, v, tables.t().contiguous().t(), torch.stack([lens, 0 * lens], 1)[:, 0], scale, gate)
+    assert args[3].stride(0) == 1 and args[4].stride(0) == 2
+    torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("backend", ["triton", "native"])
 def test_output_in_q_dtype_whatever_the_gate_and_out_which_every_provider_takes(backend):
     """A bf16 q with an fp32 gate gives bf16 from every provider (the reference's product would promote);
