@@ -2,9 +2,12 @@
 and over the environment; levers read MTPF_* variables."""
 
 import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 
 import mtpfactory
-from mtpfactory.errors import ConfigError
+from mtpfactory.errors import ConfigError, UnknownNameError
 
 
 def test_head_implies_its_model_preset_and_quant():
@@ -23,7 +26,8 @@ def test_levers_read_the_environment_and_the_command_line_wins(monkeypatch):
     monkeypatch.setenv("MTPF_MTP_VOCAB_SIZE", "100")
     monkeypatch.setenv("MTPF_EXPERTS_NVFP4", "yes")
     levers = mtpfactory.compose("+head=dense").levers
-    assert (levers.mtp_vocab_size, levers.drafter_prefill, levers.experts_nvfp4, levers.kv_exact) == (100, False, True, False)
+    got = (levers.mtp_vocab_size, levers.drafter_prefill, levers.experts_nvfp4, levers.kv_exact)
+    assert got == (100, False, True, False)
     cfg = mtpfactory.compose("+head=dense", "levers.drafter_prefill=true", "levers.mtp_vocab_size=7")
     assert (cfg.levers.mtp_vocab_size, cfg.levers.drafter_prefill) == (7, True)
 
@@ -47,18 +51,47 @@ def test_schema_types_are_checked_at_compose():
 
 
 @pytest.mark.parametrize("override, field", [
-    ("runtime.backend=cuda_graphs", "runtime.backend"), ("kv=int4", "kv"), ("runtime.dtype=int8", "runtime.dtype"),
+    ("runtime.backend=cuda_graphs", "runtime.backend"), ("runtime.dtype=int8", "runtime.dtype"),
     ("runtime.max_seq_len=100000", "runtime.max_seq_len"), ("runtime.block_size=0", "runtime.block_size"),
 ])
 def test_cross_field_rules_are_checked_when_the_head_is_built(override, field):
-    try:
-        cfg = mtpfactory.compose("+head=dense", override)
-    except Exception as e:  # an option with no YAML (kv=fp8) is refused by Hydra at compose
-        assert field in str(e)
-        return
+    cfg = mtpfactory.compose("+head=dense", override)
     with pytest.raises(ConfigError) as e:
         mtpfactory.build_head(cfg)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("override, group, says", [("kv=int4", "kv", "choose one of auto, bf16, fp32, fp8"),
+                                                   ("quant=fp4", "quant", "did you mean 'nvfp4'"),
+                                                   ("model=qwen3_next_tin", "model", "did you mean 'qwen3_next_tiny'")])
+def test_an_unknown_group_option_is_refused_at_compose_with_the_options(override, group, says):
+    with pytest.raises(UnknownNameError) as e:
+        mtpfactory.compose("+head=dense", override)
+    assert (e.value.field, e.value.value) == (group, override.partition("=")[2]) and says in str(e.value)
+
+
+def test_compose_inside_a_callers_hydra_app_composes_ours_and_gives_the_callers_back(tmp_path):
+    (tmp_path / "config.yaml").write_text("app:\n  name: serving\n")
+    with initialize_config_dir(str(tmp_path), version_base="1.3"):
+        cfg = mtpfactory.compose("+head=dense", "kv=fp8")
+        assert (cfg.head.name, cfg.kv.dtype, cfg.levers.kv_exact) == ("dense", "fp8", False)
+        assert hydra_compose(config_name="config") == {"app": {"name": "serving"}}
+    assert not GlobalHydra.instance().is_initialized()
+
+
+def test_the_command_line_wins_over_a_malformed_environment_value(monkeypatch):
+    monkeypatch.setenv("MTPF_KV_EXACT", "maybe")
+    monkeypatch.setenv("MTPF_MTP_VOCAB_SIZE", "lots")
+    cfg = mtpfactory.compose("+head=dense", "kv=fp8", "levers.kv_exact=true", "levers.mtp_vocab_size=7")
+    assert (cfg.levers.kv_exact, cfg.levers.mtp_vocab_size) == (True, 7)
+
+
+def test_an_unreadable_lever_names_the_lever_not_an_unset_variable(monkeypatch):
+    monkeypatch.delenv("MTPF_MTP_VOCAB_SIZE", raising=False)
+    monkeypatch.delenv("MTPF_TEST_UNSET", raising=False)
+    with pytest.raises(ConfigError) as e:
+        mtpfactory.compose("+head=dense", "levers.mtp_vocab_size=${oc.env:MTPF_TEST_UNSET}")
+    assert e.value.field == "levers.mtp_vocab_size" and "MTPF_TEST_UNSET' not found" in str(e.value)
 
 
 def test_mtp_vocab_size_truncates_the_draft_vocab():

@@ -1,7 +1,7 @@
 """Typed schemas of the config tree (DESIGN 5), stored in Hydra's ConfigStore.
 
-Types are checked when the config is composed; rules that span fields are checked when a head is built
-(`mtpfactory.config.validate`).
+Types are checked when the config is composed; rules that span fields are checked when a head is built, by
+its head builder's `check` (for the Qwen-style heads, `mtpfactory.heads.qwen_mtp.check_config`).
 """
 
 from __future__ import annotations
