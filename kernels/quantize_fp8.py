@@ -101,17 +101,17 @@ def quantize_fp8_triton(w: torch.Tensor, name: str = "weight", *,
                         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton provider of `quantize_fp8`: (weight float8_e4m3fn [N, K], weight_scale fp32 [N]).
 
-    `out`: that pair preallocated (contiguous), written in place and returned. A NaN/Inf in `w` is
-    refused as the reference refuses it (checked on the row scales after the launch: one sync).
+    `out`: that pair preallocated (contiguous), written and returned. A NaN/Inf in `w` is refused as the
+    reference refuses it, checked on the row scales after the launch (one sync); so that a refused call
+    leaves `out` as it was, the kernel writes fresh tensors, copied into `out` once the check has passed.
     """
     n, k = w.shape
+    if out is not None:
+        check_out("weight", out[0], torch.float8_e4m3fn, (n, k))
+        check_out("weight_scale", out[1], torch.float32, (n,))
     x = w.contiguous()
-    if out is None:
-        out = (torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device),
-               torch.empty(n, dtype=torch.float32, device=w.device))
-    q, scale = out
-    check_out("weight", q, torch.float8_e4m3fn, (n, k))
-    check_out("weight_scale", scale, torch.float32, (n,))
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(n, dtype=torch.float32, device=w.device)
     block_k = min(triton.next_power_of_2(k), 1024)
     block_m = min(triton.next_power_of_2(n), max(1, 4096 // block_k))
     _quantize_fp8_kernel[(triton.cdiv(n, block_m),)](
@@ -120,7 +120,9 @@ def quantize_fp8_triton(w: torch.Tensor, name: str = "weight", *,
         BLOCK_M=block_m, BLOCK_K=block_k)
     if not bool(torch.isfinite(scale).all()):
         check_finite(w, name)
-    return q, scale
+    if out is None:
+        return q, scale
+    return out[0].copy_(q), out[1].copy_(scale)
 
 
 def check_out(what: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -130,5 +132,17 @@ def check_out(what: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, 
                          "allocate it as the reference returns it, or leave out=None")
 
 
-quantize_fp8 = Op("quantize_fp8", quant.quantize_fp8)
+def _quantize_fp8_native(w: torch.Tensor, name: str = "weight", *,
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition, `mtpfactory.quant.quantize_fp8`, written into `out` (checked as the Triton provider
+    checks it) when given."""
+    q, scale = quant.quantize_fp8(w, name)
+    if out is None:
+        return q, scale
+    check_out("weight", out[0], q.dtype, tuple(q.shape))
+    check_out("weight_scale", out[1], scale.dtype, tuple(scale.shape))
+    return out[0].copy_(q), out[1].copy_(scale)
+
+
+quantize_fp8 = Op("quantize_fp8", _quantize_fp8_native)
 quantize_fp8.register_provider("triton", quantize_fp8_triton, _quantize_fp8_supports)

@@ -108,10 +108,29 @@ def test_refusals(device):
     w[2, 5] = float("nan")
     with ops.use_backend("triton"), pytest.raises(WeightsError, match="q_proj.*1 NaN"):
         quantize_fp8(w, "q_proj")
+    for backend in ("triton", "native"):  # a refused call leaves `out` as it was, bytes and scales
+        out = poisoned(3, 8, device)
+        with ops.use_backend(backend), pytest.raises(WeightsError, match="q_proj.*1 NaN"):
+            quantize_fp8(w, "q_proj", out=out)
+        assert (out[0].view(torch.uint8) == 0xFF).all() and (out[1].view(torch.int32) == -1).all()
     with ops.use_backend("triton"), pytest.raises(ConfigError, match="quantize_fp8"):
         quantize_fp8(torch.ones(8, device=device))                    # 1-D: no provider
     with ops.use_backend("triton"), pytest.raises(InputError, match="weight_scale"):
         quantize_fp8(torch.ones(3, 8, device=device), out=(poisoned(3, 8, device)[0], poisoned(4, 8, device)[1]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_reference_takes_out_too(device):
+    """A call with `out` that dispatch sends to the reference writes it as the Triton provider does."""
+    w = random_weight(4, 24, torch.float32, seed=10, device=device)
+    ref = quant.quantize_fp8(w)
+    out = poisoned(4, 24, device)
+    with ops.use_backend("native"):
+        got = quantize_fp8(w, out=out)
+        with pytest.raises(InputError, match="weight_scale"):
+            quantize_fp8(w, out=(out[0], poisoned(5, 24, device)[1]))
+    assert all(g is o for g, o in zip(got, out))
+    assert torch.equal(out[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(out[1], ref[1])
 
 
 def test_torch_division_by_a_python_float_on_the_cpu_is_true_division():
