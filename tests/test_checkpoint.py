@@ -1,13 +1,16 @@
 """A safetensors checkpoint directory loads through the same checked path as a mapping."""
 
 import json
+from collections import Counter
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 import mtpfactory
 from mtpfactory.errors import WeightsError
+from mtpfactory.weights import checkpoint
 from mtpfactory.weights.synthetic import qwen_mtp_weights
 
 
@@ -40,6 +43,35 @@ def test_checkpoint_directory_equals_the_mapping(tmp_path, sharded):
     tok, hid = torch.randint(0, 512, (1,), generator=g), torch.randn(1, 64, generator=g)
     logits = [h.step(torch.tensor([0]), tok, hid, torch.tensor([0]))[0] for h in (from_dir, from_cfg, from_map)]
     assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[2])
+
+
+def test_each_tensor_is_read_from_disk_once(tmp_path, monkeypatch):
+    cfg = mtpfactory.compose("+head=bf16_moe", "runtime.dtype=float32", "runtime.device=cpu")
+    save_file({n: t.contiguous() for n, t in qwen_mtp_weights(cfg.model, "moe", seed=3).items()},
+              tmp_path / "model.safetensors")
+    reads = Counter()
+
+    class CountingOpen:
+        def __init__(self, *args, **kwargs):
+            self.file = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.st = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.st.keys()
+
+        def get_tensor(self, name):
+            reads[name] += 1
+            return self.st.get_tensor(name)
+
+    monkeypatch.setattr(checkpoint, "safe_open", CountingOpen)
+    mtpfactory.build_head(cfg, tmp_path)
+    assert reads and set(reads.values()) == {1}, reads.most_common(3)
 
 
 def test_a_directory_without_safetensors_is_refused(tmp_path):

@@ -41,6 +41,9 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         with safe_open(self._where[name], framework="pt") as st:
             return st.get_tensor(name)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor to find out
+        return name in self._where
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
