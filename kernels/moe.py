@@ -547,27 +547,50 @@ def _inner_contiguous(*tensors) -> bool:
     return all(t.stride(-1) == 1 for t in tensors)
 
 
-def _shared_ok(x, shared_out, shared_gate) -> bool:
-    return all(t is None or (t.dtype == x.dtype and t.dim() == 2 and _inner_contiguous(t))
-               for t in (shared_out, shared_gate))
+def _shapes(*pairs) -> bool:
+    """Each (tensor, shape) pair matches; an absent optional tensor (None) matches anything."""
+    return all(t is None or tuple(t.shape) == shape for t, shape in pairs)
+
+
+def _call_ok(x, topk_weights, topk_ids, shared_out, shared_gate) -> bool:
+    """x [N, H] in a dtype the kernels take; topk_weights (floating) and topk_ids (int32 or int64) [N, k],
+    k >= 1; shared_out [N, H] and shared_gate [N, 1] (the kernels read one gate a row) in x's dtype, their
+    last dim contiguous."""
+    if x.dim() != 2 or x.dtype not in ACT_DTYPES or topk_ids.dim() != 2 or topk_ids.shape[1] < 1:
+        return False
+    n, k = topk_ids.shape
+    return (x.shape[0] == n and topk_weights.is_floating_point()
+            and topk_ids.dtype in (torch.int32, torch.int64)
+            and _shapes((topk_weights, (n, k)), (shared_out, (n, x.shape[1])), (shared_gate, (n, 1)))
+            and all(t is None or (t.dtype == x.dtype and _inner_contiguous(t)) for t in (shared_out, shared_gate)))
 
 
 def _fused_moe_supports(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None,
                         **_) -> bool:
     extra = [t for t in (shared_out, shared_gate) if t is not None]
-    return (triton_can_run(x, w_gate_up, w_down, topk_weights, topk_ids, *extra) and x.dim() == 2
-            and x.dtype in ACT_DTYPES and w_gate_up.dtype == w_down.dtype == x.dtype
-            and _inner_contiguous(w_gate_up, w_down) and _shared_ok(x, shared_out, shared_gate))
+    if not (triton_can_run(x, w_gate_up, w_down, topk_weights, topk_ids, *extra)
+            and _call_ok(x, topk_weights, topk_ids, shared_out, shared_gate) and w_down.dim() == 3):
+        return False
+    e, h, i = w_down.shape
+    return (min(e, h, i) > 0 and _shapes((x, (x.shape[0], h)), (w_gate_up, (e, 2 * i, h)))
+            and w_gate_up.dtype == w_down.dtype == x.dtype and _inner_contiguous(w_gate_up, w_down))
 
 
 def _fused_moe_nvfp4_supports(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
                               topk_ids, shared_out=None, shared_gate=None, **_) -> bool:
     extra = [t for t in (shared_out, shared_gate) if t is not None]
-    return (triton_can_run(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+    if not (triton_can_run(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
                            topk_ids, *extra)
-            and x.dim() == 2 and x.dtype in ACT_DTYPES and gu_weight.dtype == dn_weight.dtype == torch.uint8
+            and _call_ok(x, topk_weights, topk_ids, shared_out, shared_gate) and dn_weight.dim() == 3):
+        return False
+    e, h, i = dn_weight.shape[0], dn_weight.shape[1], 2 * dn_weight.shape[2]
+    return (min(e, h, i) > 0 and h % 16 == 0 and i % 16 == 0                # whole NVFP4 blocks along H and I
+            and _shapes((x, (x.shape[0], h)), (gu_weight, (e, 2 * i, h // 2)), (gu_scale, (e, 2 * i, h // 16)),
+                        (gu_global, (e, 2)), (dn_scale, (e, h, i // 16)), (dn_global, (e,)))
+            and gu_weight.dtype == dn_weight.dtype == torch.uint8
             and gu_scale.dtype == dn_scale.dtype == torch.float8_e4m3fn
-            and _inner_contiguous(gu_weight, gu_scale, dn_weight, dn_scale) and _shared_ok(x, shared_out, shared_gate))
+            and gu_global.is_floating_point() and dn_global.is_floating_point()
+            and _inner_contiguous(gu_weight, gu_scale, dn_weight, dn_scale))
 
 
 moe_route_softmax.register_provider("triton", _moe_route_softmax_triton, _route_supports)

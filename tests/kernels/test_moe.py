@@ -408,6 +408,64 @@ def test_fused_moe_triton_repeated_ids_in_a_row(e):
     scaled_close(got, want, TOL[torch.float32])
 
 
+def small_call(fmt: str) -> tuple[object, dict[str, torch.Tensor]]:
+    """(op, every argument) of a call the Triton provider serves: N 3, E 4, k 2, H 32, I 32, fp32, shared."""
+    n, e, k, h, i = 3, 4, 2, 32, 32
+    gen = torch.Generator().manual_seed(14)
+    args = dict(x=torch.randn(n, h, generator=gen))
+    if fmt == "unq":
+        args["w_gate_up"], args["w_down"] = experts(e, h, i, torch.float32, gen)
+    else:
+        args.update(nvfp4_experts(e, h, i, gen))
+    args["topk_weights"], args["topk_ids"] = routing(n, e, k, gen)
+    args.update(shared_inputs(n, h, torch.float32, gen))
+    return (moe.fused_moe if fmt == "unq" else moe.fused_moe_nvfp4), args
+
+
+def nvfp4_sized(h: int, i: int) -> dict[str, torch.Tensor]:
+    """The NVFP4 arguments of `small_call` resized to H, I (x, shared_out and the experts; H/16 and I/16 rounded
+    down where they are not whole, as a caller's arithmetic would)."""
+    return dict(x=torch.zeros(3, h), shared_out=torch.zeros(3, h),
+                gu_weight=torch.zeros(4, 2 * i, h // 2, dtype=torch.uint8),
+                gu_scale=torch.zeros(4, 2 * i, h // 16).to(torch.float8_e4m3fn),
+                dn_weight=torch.zeros(4, h, i // 2, dtype=torch.uint8),
+                dn_scale=torch.zeros(4, h, i // 16).to(torch.float8_e4m3fn))
+
+
+# Calls whose shapes the kernels would misread: (format, the arguments that replace small_call's).
+MISFITS = {
+    "x-H-not-the-experts": ("unq", lambda: dict(x=torch.zeros(3, 16), shared_out=torch.zeros(3, 16))),
+    "x-rows-not-the-ids": ("unq", lambda: dict(x=torch.zeros(2, 32))),
+    "weights-not-ids-shape": ("unq", lambda: dict(topk_weights=torch.ones(3, 1))),
+    "no-expert-per-row": ("unq", lambda: dict(topk_weights=torch.ones(3, 0),
+                                              topk_ids=torch.zeros(3, 0, dtype=torch.int64))),
+    "ids-float": ("unq", lambda: dict(topk_ids=torch.zeros(3, 2))),
+    "gate-per-element": ("unq", lambda: dict(shared_gate=torch.zeros(3, 32))),
+    "shared_out-H": ("unq", lambda: dict(shared_out=torch.zeros(3, 16))),
+    "down-I-not-gate_up": ("unq", lambda: dict(w_down=torch.zeros(4, 32, 16))),
+    "down-E-not-gate_up": ("unq", lambda: dict(w_down=torch.zeros(5, 32, 32))),
+    "nvfp4-H-40": ("nvfp4", lambda: nvfp4_sized(40, 32)),
+    "nvfp4-I-24": ("nvfp4", lambda: nvfp4_sized(32, 24)),
+    "nvfp4-gu_global-per-expert": ("nvfp4", lambda: dict(gu_global=torch.ones(4))),
+    "nvfp4-dn_scale-rows": ("nvfp4", lambda: dict(dn_scale=torch.zeros(4, 16, 2).to(torch.float8_e4m3fn))),
+    "nvfp4-x-H-not-the-experts": ("nvfp4", lambda: dict(x=torch.zeros(3, 48), shared_out=torch.zeros(3, 48))),
+}
+
+
+@pytest.mark.parametrize("case", MISFITS, ids=str)
+def test_triton_providers_refuse_shapes_that_do_not_fit(case):
+    """The predicate says no (so `auto` runs the reference and `triton` raises naming the op); the call it
+    was changed from is served, so the refusal is the change's."""
+    fmt, change = MISFITS[case]
+    op, args = small_call(fmt)
+    supports = op.providers["triton"].supports
+    with ops.use_backend("triton"):
+        assert supports(**args)
+        assert not supports(**{**args, **change()})
+        with pytest.raises(ConfigError, match=op.name):
+            op(**{**args, **change()})
+
+
 def test_triton_backend_refuses_what_it_cannot_serve():
     """Weights in another dtype than x: no Triton provider serves it, and backend=triton says so."""
     x = torch.randn(2, 32)
