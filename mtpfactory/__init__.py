@@ -47,6 +47,9 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.P
     builder = _head_builder(cfg)
     builder.check(cfg)
     if weights is None and cfg.weights.source == "checkpoint":
+        if cfg.weights.path is None:
+            raise ConfigError("weights.path", None, "weights=checkpoint reads the checkpoint directory weights.path",
+                              "add weights.path=DIR, or pass the directory to build_head")
         weights = cfg.weights.path
     if weights is None:
         if cfg.weights.source != "synthetic":

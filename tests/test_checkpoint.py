@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import mtpfactory
-from mtpfactory.errors import WeightsError
+from mtpfactory.errors import ConfigError, WeightsError
 from mtpfactory.weights import checkpoint
 from mtpfactory.weights.synthetic import qwen_mtp_weights
 
@@ -80,3 +80,10 @@ def test_a_directory_without_safetensors_is_refused(tmp_path):
         mtpfactory.build_head(cfg, tmp_path)
     with pytest.raises(WeightsError, match="not a directory"):
         mtpfactory.build_head(cfg, tmp_path / "missing")
+
+
+def test_weights_checkpoint_without_a_path_says_to_add_one():
+    cfg = mtpfactory.compose("+head=dense", "weights=checkpoint")
+    with pytest.raises(ConfigError) as e:
+        mtpfactory.build_head(cfg)
+    assert (e.value.field, e.value.value) == ("weights.path", None) and "add weights.path=DIR" in str(e.value)
