@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.ops import Op, triton_can_run
 
@@ -476,6 +477,11 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
         if why:
             raise ValueError(f"plan: tma = True, but {why}. Plan it with tma = False (the planner does where "
                              "the call cannot run the TMA kernel)")
+    elif plan.block_m < m:      # a plan given: the grid has no M axis, so one tile holds every row
+        raise InputError("plan.block_m", plan.block_m,
+                         f"must be at least M = {m}: the launch has no M axis, so rows {plan.block_m} to {m - 1} "
+                         "would be left unwritten", "make the plan for this M (make_plan's default block_m "
+                         "fits it), or leave plan=None")
     if plan.tma:
         xd = TensorDescriptor.from_tensor(x, [plan.block_m, plan.block_k])
         wd = TensorDescriptor.from_tensor(weight, [plan.block_n, plan.block_k])

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError
+from mtpfactory.errors import ConfigError, InputError
 from mtpfactory.kernels.linear import (
     TILES_FP8,
     TMA_MAX_N,
@@ -161,6 +161,16 @@ def test_tma_plans_it_cannot_run_are_refused():
         with pytest.raises(ValueError, match=match):
             linear_triton(xi, wi, plan=plan, out=out)
         assert bool((out == 7.0).all()), match
+
+
+@pytest.mark.parametrize("m, block_m", [(4, 2), (20, 16)])  # the CUDA-core path; the dot path
+def test_plans_whose_block_m_is_under_m_are_refused(m, block_m):
+    """The grid has no M axis: a given plan's tile must hold every row of x, or the rest stay unwritten."""
+    x, w = make_inputs(m, 7, 16, torch.float32)
+    out = torch.full((m, 7), 7.0)
+    with pytest.raises(InputError, match=f"plan.block_m={block_m}: must be at least M = {m}"):
+        linear_triton(x, w, plan=make_plan(m, 7, 16, 8, 16, block_m=block_m), out=out)
+    assert bool((out == 7.0).all())
 
 
 def test_op_dispatch_uses_triton_under_triton_backend(monkeypatch):
