@@ -47,16 +47,17 @@ def register(kind: str, name: str, builder: Callable | None = None, *, override:
     """Register `builder` as component `name` of `kind`; usable as `@register(kind, name)`.
 
     A name that is taken (by a built-in or another builder) is refused unless `override=True`;
-    registering the same function again (a module re-import) is allowed.
+    registering the same builder again is allowed: the same object, or the same function re-created by a
+    module re-import (same file, line and name, no closure).
     """
     if builder is None:
         return lambda fn: register(kind, name, fn, override=override)
     _check_kind(kind)
-    taken = _registered[kind].get(name)
+    taken, by = _registered[kind].get(name), None
     if taken is None and name in _BUILTIN[kind]:
-        taken = _BUILTIN[kind][name]
-    if taken is not None and not override and _qualname(taken) != _qualname(builder):
-        raise ConfigError(f"{kind} '{name}'", _qualname(builder), f"the name is taken by {_qualname(taken)}",
+        taken, by = _load(_BUILTIN[kind][name]), _BUILTIN[kind][name].replace(":", ".")
+    if taken is not None and not override and not _same_builder(taken, builder):
+        raise ConfigError(f"{kind} '{name}'", _qualname(builder), f"the name is taken by {by or _qualname(taken)}",
                           "choose another name, or pass override=True to replace it")
     _registered[kind][name] = builder
     return builder
@@ -70,8 +71,7 @@ def get(kind: str, name: str) -> Callable:
     if name in _registered[kind]:
         return _registered[kind][name]
     if name in _BUILTIN[kind]:
-        module, attr = _BUILTIN[kind][name].split(":")
-        return getattr(importlib.import_module(module), attr)
+        return _load(_BUILTIN[kind][name])
     raise UnknownNameError(_FIELD[kind], name, names(kind))
 
 
@@ -83,15 +83,21 @@ def names(kind: str) -> list[str]:
 
 
 def load_entry_points() -> None:
-    """Load the `mtpfactory.components` entry points of installed packages (once)."""
+    """Load the `mtpfactory.components` entry points of installed packages (once). Each loads on its own: one
+    that fails is logged with its name and error, and the others still register."""
     global _entry_points_loaded
     if _entry_points_loaded:
         return
-    _entry_points_loaded = True
+    _entry_points_loaded = True  # before loading: a plugin that looks a name up must not load them all again
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        obj = ep.load()
-        if callable(obj) and not isinstance(obj, type(importlib)):
-            obj()
+        try:
+            obj = ep.load()
+            if callable(obj) and not isinstance(obj, type(importlib)):
+                obj()
+        except Exception as e:
+            log.error("entry point %s = %s (group %s) failed to load, so its components are not registered: "
+                      "%s: %s", ep.name, ep.value, ENTRY_POINT_GROUP, type(e).__name__, e)
+            continue
         log.debug("loaded components from entry point %s = %s", ep.name, ep.value)
 
 
@@ -104,7 +110,24 @@ def _check_kind(kind: str) -> None:
         raise UnknownNameError("component kind", kind, KINDS)
 
 
-def _qualname(obj: Callable | str) -> str:
-    if isinstance(obj, str):
-        return obj.replace(":", ".")
+def _load(target: str) -> Callable:
+    module, attr = target.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _same_builder(a: Callable, b: Callable) -> bool:
+    """The same object, or the same builder re-created by a module re-import: a function from the same file,
+    first line and name with no closure (two closures of one factory share their code, not what they
+    captured), or a module-level class of the same module and name."""
+    if a is b:
+        return True
+    if isinstance(a, type) and isinstance(b, type):
+        return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__) and "<locals>" not in a.__qualname__
+    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if ca is None or cb is None or a.__closure__ is not None or b.__closure__ is not None:
+        return False
+    return (ca.co_filename, ca.co_firstlineno, a.__qualname__) == (cb.co_filename, cb.co_firstlineno, b.__qualname__)
+
+
+def _qualname(obj: Callable) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"

@@ -2,6 +2,7 @@
 from Python, from the config and from the CLI (through an entry point)."""
 
 import importlib
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -130,3 +131,64 @@ def test_an_op_provider_name_taken_by_another_function_is_refused(monkeypatch):
         exec(code, namespace)
         op.register_provider("user", namespace["provider"], lambda x: True)
     assert op.providers["user"].fn is runs[1]["provider"]
+
+
+@pytest.fixture
+def empty_registry(monkeypatch, tmp_path):
+    """No user registrations, entry points not loaded yet, and tmp_path importable; restored afterwards."""
+    monkeypatch.setattr(registry, "_registered", {k: {} for k in registry.KINDS})
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.syspath_prepend(tmp_path)
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        if name.startswith("mtpf_test_"):
+            del sys.modules[name]
+
+
+def test_a_different_builder_under_a_taken_name_is_refused_even_with_the_same_qualname(empty_registry):
+    registry.register("ffn", "mine", lambda ctx, prefix: "a")
+    with pytest.raises(ConfigError, match="taken"):
+        registry.register("ffn", "mine", lambda ctx, prefix: "b")
+
+    def scaled(s):
+        return lambda ctx, prefix: s
+
+    registry.register("ffn", "scaled", scaled(1))
+    with pytest.raises(ConfigError, match="taken"):  # one factory's closures share their code, not their capture
+        registry.register("ffn", "scaled", scaled(2))
+    assert registry.get("ffn", "scaled")(None, "") == 1
+
+
+def test_a_reimported_plugin_module_registers_again(empty_registry):
+    (empty_registry / "mtpf_test_plugin.py").write_text(textwrap.dedent("""
+        import mtpfactory
+
+        def build(ctx, prefix):
+            return None
+
+        class FFN:
+            pass
+
+        mtpfactory.register("ffn", "plugin_fn", build)
+        mtpfactory.register("ffn", "plugin_cls", FFN)
+    """))
+    mod = importlib.import_module("mtpf_test_plugin")
+    first = registry.get("ffn", "plugin_fn")
+    importlib.reload(mod)
+    assert registry.get("ffn", "plugin_fn") is mod.build is not first
+    assert registry.get("ffn", "plugin_cls") is mod.FFN
+
+
+def test_a_failing_entry_point_is_named_and_the_others_still_load(empty_registry, monkeypatch, caplog):
+    (empty_registry / "mtpf_test_broken.py").write_text("raise ImportError('needs a package that is not here')\n")
+    (empty_registry / "mtpf_test_good.py").write_text(
+        "import mtpfactory\n\n\ndef build(ctx, prefix):\n    return None\n\n\nmtpfactory.register('ffn', 'good', build)\n")
+    eps = [importlib.metadata.EntryPoint(name, value, registry.ENTRY_POINT_GROUP)
+           for name, value in (("broken", "mtpf_test_broken"), ("good", "mtpf_test_good"))]
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group: eps if group == registry.ENTRY_POINT_GROUP else [])
+    with caplog.at_level("ERROR", logger="mtpfactory.registry"):
+        assert "good" in registry.names("ffn")
+    assert "entry point broken = mtpf_test_broken" in caplog.text
+    assert "needs a package that is not here" in caplog.text
