@@ -119,6 +119,8 @@ def test_dense_head_on_a_preset_without_intermediate_size():
     ("runtime.device=tpu9", "runtime.device='tpu9'"),
     ("runtime.prefill_chunk=0", "runtime.prefill_chunk=0"),
     ("runtime.max_seq_len=9000", "runtime.max_seq_len=9000"),
+    ("runtime.main_kv_blocks=-1", "runtime.main_kv_blocks=-1: must be >= 0"),
+    ("levers.mtp_vocab_size=-1", "levers.mtp_vocab_size=-1: must be >= 0"),
     ("model=qwen3_next_tiny", None),  # a dense head on a preset that has intermediate_size: allowed
 ])
 def test_runtime_values(override, in_message):
@@ -274,6 +276,12 @@ REFUSED_CALLS = {
     "free_unknown": (lambda h: h.free(99), InputError, ["seq_id=99", "unknown"]),
     "truncate_negative": (lambda h: h.truncate(HELD, -1), InputError, ["length=-1"]),
     "propose_k_zero": (_propose([HELD], [20], 0), InputError, ["k=0"]),
+    "prefill_seq_id_float": (lambda h: h.prefill(7.5, *rows(1, 4), torch.tensor([20])), InputError,
+                             ["seq_id=7.5", "an integer"]),
+    "truncate_seq_id_float": (lambda h: h.truncate(7.0, 3), InputError, ["seq_id=7.0", "an integer"]),
+    "truncate_length_float": (lambda h: h.truncate(HELD, 2.5), InputError, ["length=2.5", "an integer"]),
+    "free_seq_id_bool": (lambda h: h.free(True), InputError, ["seq_id=True", "an integer"]),
+    "free_seq_id_float_tensor": (lambda h: h.free(torch.tensor(7.0)), InputError, ["seq_id=tensor(7.)", "an integer"]),
 }
 
 

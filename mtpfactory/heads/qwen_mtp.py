@@ -12,6 +12,7 @@ check the config, pick the components by registry name and fill in the dimension
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from omegaconf import DictConfig
@@ -39,6 +40,7 @@ FORMATS = {
               "nvfp4": dict.fromkeys(("q", "o", "ffn"), "nvfp4")},
     "moe": {"bf16": {}},
 }
+SWITCHED_ON = ("1", "true", "yes", "on")  # the environment words that turn a switch lever on
 LM_HEAD_FORMATS = {"bf16": "unq", "fp8": "fp8", "nvfp4": "nvfp4"}
 FFN_FIELDS = {
     "dense": ("intermediate_size",),
@@ -113,9 +115,14 @@ def check_config(cfg: DictConfig, form: str) -> None:
         raise ConfigError("quant.lm_head", cfg.quant.lm_head, f"allowed: auto, {', '.join(LM_HEAD_FORMATS)}",
                           "use quant.lm_head=auto to follow quant")
     if cfg.levers.experts_nvfp4 and (form != "moe" or cfg.quant.mode != "bf16"):
-        raise ConfigError("levers.experts_nvfp4", True, f"needs a BF16 MoE head on BF16 experts (this head: {name}, "
-                          f"quant={cfg.quant.mode}, dense FFN {form == 'dense'})",
-                          "drop the lever, or use +head=bf16_moe quant=bf16")
+        # Decided from the config, before any weight is read: say what the head builds, not what weights hold.
+        builds = "a dense SwiGLU FFN, no experts" if form == "dense" else f"{form} experts under quant={cfg.quant.mode}"
+        env = os.environ.get("MTPF_EXPERTS_NVFP4", "")
+        from_env = f", or unset MTPF_EXPERTS_NVFP4={env!r}" if env.strip().lower() in SWITCHED_ON else ""
+        raise ConfigError("levers.experts_nvfp4", True, f"stores the BF16 experts of head bf16_moe (quant=bf16) as "
+                          f"NVFP4; head {name} with quant={cfg.quant.mode} builds {builds}",
+                          f"drop the lever (levers.experts_nvfp4=false{from_env}); for MoE weights with BF16 "
+                          "experts use +head=bf16_moe quant=bf16")
     if cfg.levers.kv_exact and cfg.kv.dtype != "fp8":
         raise ConfigError("levers.kv_exact", True, f"per-token KV scales need kv=fp8 (this run: kv={cfg.kv.dtype})",
                           "add kv=fp8, or drop the lever")
@@ -141,9 +148,10 @@ def check_config(cfg: DictConfig, form: str) -> None:
         raise ConfigError("runtime.max_seq_len", r.max_seq_len,
                           f"at most model.max_position_embeddings={m.max_position_embeddings}",
                           f"set runtime.max_seq_len<={m.max_position_embeddings}")
-    if r.main_kv_blocks < 0 or cfg.levers.mtp_vocab_size < 0:
-        raise ConfigError("runtime.main_kv_blocks / levers.mtp_vocab_size",
-                          (r.main_kv_blocks, cfg.levers.mtp_vocab_size), "must be >= 0", "use 0 (no cap / full vocab)")
+    if r.main_kv_blocks < 0:
+        raise ConfigError("runtime.main_kv_blocks", r.main_kv_blocks, "must be >= 0", "use 0 (no cap)")
+    if cfg.levers.mtp_vocab_size < 0:
+        raise ConfigError("levers.mtp_vocab_size", cfg.levers.mtp_vocab_size, "must be >= 0", "use 0 (the full vocab)")
     kv_dtype(cfg)
     runtime_dtype(cfg)
     ops.check_backend(r.backend)
@@ -192,7 +200,8 @@ def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
     kv = str(spec.dtype).removeprefix("torch.") + (" per-token scales" if spec.token_scales else "")
     summary = (f"MTP head {cfg.head.name}: quant={quant}, fc=[{h},{2 * h}], attn Q=[{nq * hd * 2},{h}], "
                f"ffn={cfg.head.ffn}, {experts} experts, vocab={lm_head.draft_vocab}/{m.vocab_size} "
-               f"(LM head {ctx.fmt('lm_head')} {lm_head.nbytes / 2**20:.1f} MB), kv={kv}, pool={spec.num_blocks} blocks")
+               f"(LM head {ctx.fmt('lm_head')} {lm_head.nbytes / 2**20:.1f} MB), kv={kv}, "
+               f"pool={spec.num_blocks} blocks")
     log.info(summary)
     return QwenMTPHead(
         embed=ctx.tensor("model.embed_tokens.weight", m.vocab_size, h),

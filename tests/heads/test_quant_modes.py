@@ -150,7 +150,7 @@ def test_kv_exact_changes_the_cache_and_its_reserve():
 @pytest.mark.parametrize("overrides, field, says", [
     (("+head=bf16_moe", "quant=fp8"), "quant", "levers.experts_nvfp4"),
     (("+head=bf16_moe", "quant=nvfp4"), "quant", "allows quant=bf16"),
-    (("+head=dense", "levers.experts_nvfp4=true"), "levers.experts_nvfp4", "dense FFN True"),
+    (("+head=dense", "levers.experts_nvfp4=true"), "levers.experts_nvfp4", "builds a dense SwiGLU FFN, no experts"),
     (("+head=dense", "quant=fp8", "levers.experts_nvfp4=true"), "levers.experts_nvfp4", "quant=fp8"),
     (("+head=dense", "levers.kv_exact=true"), "levers.kv_exact", "kv=fp8"),
     (("+head=dense", "quant.lm_head=int4"), "quant.lm_head", "auto, bf16, fp8, nvfp4"),
@@ -159,6 +159,19 @@ def test_combinations_outside_the_table_are_refused(overrides, field, says):
     with pytest.raises(ConfigError) as e:
         mtpfactory.build_head(mtpfactory.compose(*overrides, *CPU))
     assert e.value.field == field and says in str(e.value)
+
+
+@pytest.mark.parametrize("env, override, names_var", [("1", (), True), (None, ("levers.experts_nvfp4=true",), False),
+                                                    ("0", ("levers.experts_nvfp4=true",), False)])
+def test_experts_nvfp4_on_a_dense_head_says_where_the_lever_came_from(monkeypatch, env, override, names_var):
+    if env is None:
+        monkeypatch.delenv("MTPF_EXPERTS_NVFP4", raising=False)
+    else:
+        monkeypatch.setenv("MTPF_EXPERTS_NVFP4", env)
+    with pytest.raises(ConfigError) as e:
+        mtpfactory.kv_reserve_bytes(mtpfactory.compose("+head=dense", *override))
+    assert "levers.experts_nvfp4=false" in e.value.fix and "+head=bf16_moe quant=bf16" in e.value.fix
+    assert ("unset MTPF_EXPERTS_NVFP4='1'" in e.value.fix) == names_var
 
 
 @pytest.mark.parametrize("case, fused", [("dense_nvfp4", True), ("moe_lm_nvfp4", True), ("dense_fp8", False)])

@@ -226,19 +226,6 @@ def test_a_call_whose_forward_fails_changes_nothing(drafter_prefill, monkeypatch
     reset(ref)
 
 
-def test_a_sequence_id_or_length_that_is_not_an_integer_is_refused(head):
-    r = rows(4, 1)
-    prefill(head, 1, r)
-    snap = snapshot(head)
-    calls = [lambda: head.prefill(1.7, r[0], r[1], torch.arange(4)), lambda: head.truncate(1.0, 2),
-             lambda: head.truncate(1, 2.5), lambda: head.free(True), lambda: head.free(torch.tensor(1.0))]
-    for call in calls:
-        with pytest.raises(mtpfactory.InputError, match="an integer"):
-            call()
-        assert_unchanged(head, snap)
-    head.free(torch.tensor(1))  # an integer 0-d tensor is an integer
-
-
 # --- truncate -----------------------------------------------------------------------------------------
 def test_truncate_then_restep_equals_fresh_sequence(head, ref):
     hist, tail = rows(30, 1), rows(6, 2)
