@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from mtpfactory.errors import InputError, MtpfError, WeightsError
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.kernels.linear import (
     MAX_M,
@@ -72,7 +73,6 @@ from mtpfactory.kernels.linear import (
     plan_for,
     splitk_reduce,
     store_tile,
-    supports_small_m,
     tma_layout_refusal,
     x_exponent,
     x_pass_pdl,
@@ -1080,44 +1080,103 @@ def _default_plan(m: int, n: int, k: int, split_k: bool, lm_head: bool, sm90_lm_
     return plan
 
 
+_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    weight_scale_2: torch.Tensor) -> MtpfError | None:
+    """Why the Triton kernels cannot take these operands, as the error `linear_nvfp4_triton` raises (the
+    provider's predicate says no to the same calls), or None: x a 2-D bf16, fp16 or fp32 [M <= 32, K]; weight
+    uint8 [N, K/2], K a multiple of 16, unit stride along K, rows on 4-byte boundaries (read as int32 words);
+    weight_scale float8_e4m3fn [N, K/16], unit stride along K; weight_scale_2 one fp32 number."""
+    if x.dim() != 2 or x.dtype not in _X_DTYPES:
+        return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a 2-D bf16, fp16 or fp32 [M, K] tensor",
+                          "flatten the leading dimensions into M")
+    m, k = x.shape
+    if m > MAX_M:
+        return InputError("x", f"{m} rows", f"the NVFP4 kernels take up to {MAX_M}",
+                          "call the op (`linear_nvfp4`) under runtime.backend=auto: it runs the reference for more")
+    if weight.dtype != torch.uint8 or weight.dim() != 2:
+        return WeightsError("weight", f"{weight.dtype} {tuple(weight.shape)}", "a 2-D uint8 [N, K/2] tensor",
+                            "pass the checkpoint's packed weight")
+    n = weight.shape[0]
+    if 2 * weight.shape[1] != k:
+        return InputError("x", f"[{m}, {k}]", f"K = {2 * weight.shape[1]}, as the weight {tuple(weight.shape)} "
+                          "holds (two codes a byte)", "pass this weight's input")
+    if k % NVFP4_BLOCK:
+        return WeightsError("weight", f"K = {k}", "NVFP4 takes K a multiple of 16",
+                            "keep this tensor unquantized or pad K")
+    if k and (weight.stride(1) != 1 or weight.stride(0) % 4):
+        return WeightsError("weight", f"strides {weight.stride()}", "unit stride along K, rows a multiple of 4 "
+                            "bytes apart (read as int32 words)", "pass weight.contiguous()")
+    if k and weight.storage_offset() % 4:
+        return WeightsError("weight", f"at byte {weight.storage_offset()} of its storage", "rows that start on "
+                            "4-byte boundaries (read as int32 words)", "pass weight.clone()")
+    if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // NVFP4_BLOCK):
+        return WeightsError("weight_scale", f"{weight_scale.dtype} {tuple(weight_scale.shape)}",
+                            f"float8_e4m3fn [N, K/16] = [{n}, {k // NVFP4_BLOCK}]",
+                            "pass the checkpoint's weight_scale as stored (one E4M3 byte a 16-element block)")
+    if k and weight_scale.stride(1) != 1:
+        return WeightsError("weight_scale", f"strides {weight_scale.stride()}", "unit stride along K",
+                            "pass weight_scale.contiguous()")
+    if weight_scale_2.dtype != torch.float32 or weight_scale_2.numel() != 1:
+        return WeightsError("weight_scale_2", f"{weight_scale_2.dtype} {tuple(weight_scale_2.shape)}",
+                            "one fp32 number", "pass the checkpoint's weight_scale_2 as stored")
+    return None
+
+
+def plan_refusal(plan: GemvPlan, m: int, k: int, x16: bool) -> MtpfError | None:
+    """Why `linear_nvfp4_triton` cannot run a given plan on x [m, k] (16-bit x: x16), as the error it raises,
+    or None. The planner's plans always run."""
+    if plan.block_k <= 0 or plan.block_k % NVFP4_BLOCK or (plan.use_dot and plan.block_k < 32):
+        return InputError("plan.block_k", plan.block_k, "NVFP4 tiles hold whole 16-element blocks: a multiple of "
+                          "16, at least 32 on the tl.dot path (block_m 16 or 32), where a dot takes K >= 16",
+                          "use one of those")
+    if plan.block_m < m or (1 < plan.block_m < 16 and (not x16 or plan.block_m > ROWS_KERNEL_MAX)):
+        return InputError("plan", f"block_m = {plan.block_m} for M = {m}", f"a GEMV (block_m 1 for M = 1; 2, 4 "
+                          f"or 8, at least M, for up to {ROWS_KERNEL_MAX} rows of bf16 or fp16 x) or the tensor "
+                          "cores (block_m 16 or 32, at least M)", "use one of those")
+    if (plan.k_per_split <= 0 or plan.k_per_split % plan.block_k
+            or not (plan.splits - 1) * plan.k_per_split < k <= plan.splits * plan.k_per_split):
+        return InputError("plan", f"{plan.splits} K slices of {plan.k_per_split}", f"slices of whole block_k = "
+                          f"{plan.block_k} steps that cover K = {k}, none of them empty (the kernels read each "
+                          "slice's whole steps unmasked where K is a multiple of the slice)",
+                          f"make the plan for K = {k}: make_plan(m, n, {k}, ...)")
+    return None
+
+
 def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         weight_scale_2: torch.Tensor, *, split_k: bool = False, out: torch.Tensor | None = None,
                         plan: GemvPlan | None = None, x_pairs: XPairs | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize_nvfp4(weight [N, K/2], weight_scale [N, K/16], weight_scale_2)^T -> [M, N] in
-    x's dtype; arguments as `linear_triton` (a `plan`'s block_k must be a multiple of 16, its block_m at
-    least M: 1, 2, 4 or 8 (the GEMVs; more than one row for 16-bit x only), 16 or 32 (the tensor cores); on
-    the bf16 tensor-core path its num_stages - 1, 1 or 2, is how many K steps ahead the kernel loads: Triton's
-    own pipeliner does not take loads that feed arithmetic before the dot; the fp16-sum GEMVs and the fp16
-    dot load one step ahead when num_stages > 1). `x_pairs`: x's pass already made (`XPairs`, for a plan
-    that runs one): the kernel reads them and the pass is not launched."""
+    x's dtype (operands as `operand_refusal` says); arguments as `linear_triton`. A `plan` (`plan_refusal`):
+    block_k a multiple of 16; K slices of whole block_k steps that cover K, none empty; block_m at least M: 1,
+    2, 4 or 8 (the GEMVs; more than one row for 16-bit x only), 16 or 32 (the tensor cores); on the bf16
+    tensor-core path its num_stages - 1, 1 or 2, is how many K steps ahead the kernel loads: Triton's own
+    pipeliner does not take loads that feed arithmetic before the dot; the fp16-sum GEMVs and the fp16 dot load
+    one step ahead when num_stages > 1. `x_pairs`: x's pass already made (`XPairs`, for a plan that runs one):
+    the kernel reads them and the pass is not launched."""
+    if err := operand_refusal(x, weight, weight_scale, weight_scale_2):
+        raise err
     m, k = x.shape
     n = weight.shape[0]
-    if (k % NVFP4_BLOCK or weight.shape[1] * 2 != k or weight.stride(1) != 1 or weight.stride(0) % 4
-            or weight.storage_offset() % 4):
-        raise ValueError(f"x is [{m}, {k}], weight {tuple(weight.shape)} with strides {weight.stride()} at offset "
-                         f"{weight.storage_offset()}: NVFP4 needs K a multiple of 16 and a row-major uint8 "
-                         "[N, K/2] weight whose rows start on 4-byte boundaries (it is read as int32 words); "
-                         "pass weight.contiguous()")
     out = check_out(out, m, n, x)
     if m == 0 or n == 0:
         return out
+    if k == 0:
+        return out.zero_()
     x16 = x.dtype in (torch.bfloat16, torch.float16)
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
     given = plan is not None
-    if not given:
+    if given:
+        if err := plan_refusal(plan, m, k, x16):
+            raise err
+    else:
         plan, why = planned(x, n, k, split_k, weight, weight_scale)
         if why and x_pairs is not None and x_pairs.order:
             raise ValueError(f"x_pairs: made in the wgmma kernel's order ({x_pairs.order}), which cannot run "
                              f"here: {why}")
-    if plan.block_k % NVFP4_BLOCK or (plan.use_dot and plan.block_k < 32):
-        raise ValueError(f"plan: block_k = {plan.block_k}; NVFP4 tiles hold whole 16-element blocks (block_k a "
-                         "multiple of 16, at least 32 on the tl.dot path, where a dot takes K >= 16): use one of "
-                         "those")
-    if plan.block_m < m or (1 < plan.block_m < 16 and (not x16 or plan.block_m > ROWS_KERNEL_MAX)):
-        raise ValueError(f"plan: block_m = {plan.block_m} for M = {m} rows of {x.dtype} x; NVFP4 runs M as a GEMV "
-                         f"(block_m 1 for M = 1; 2, 4 or 8, at least M, for up to {ROWS_KERNEL_MAX} rows of bf16 "
-                         "or fp16 x) or on the tensor cores (block_m 16 or 32, at least M): use one of those")
     x_pass = runs_x_pass(x, n, k, plan)
     if x_pairs is not None:
         if not x_pass:
@@ -1187,15 +1246,8 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 
 def _linear_nvfp4_supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                            weight_scale_2: torch.Tensor, split_work: bool = True) -> bool:
-    if not (weight.dim() == 2 and weight_scale.dim() == 2):
-        return False
-    n, k = weight.shape[0], 2 * weight.shape[1]
-    return (triton_can_run(x, weight, weight_scale, weight_scale_2) and k % NVFP4_BLOCK == 0
-            and weight.dtype == torch.uint8 and weight.is_contiguous() and weight.storage_offset() % 4 == 0
-            and weight_scale.dtype == torch.float8_e4m3fn and tuple(weight_scale.shape) == (n, k // NVFP4_BLOCK)
-            and weight_scale.stride(1) == 1
-            and weight_scale_2.dtype == torch.float32 and weight_scale_2.numel() == 1
-            and supports_small_m(x, k))
+    return (triton_can_run(x, weight, weight_scale, weight_scale_2)
+            and operand_refusal(x, weight, weight_scale, weight_scale_2) is None)
 
 
 def _linear_nvfp4_triton_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

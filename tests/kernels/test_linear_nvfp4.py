@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError
+from mtpfactory.errors import ConfigError, InputError, MtpfError
 from mtpfactory.kernels.linear import make_plan, plan_for
 from mtpfactory.kernels.linear_nvfp4 import (
     _linear_nvfp4_native,
@@ -278,7 +278,7 @@ def test_op_dispatch_and_fallback(monkeypatch):
                        x[:2].float().abs() @ dequantize_nvfp4(weight, scale, scale_2).abs().T)
         assert _linear_nvfp4_supports(x[:32], weight, scale, scale_2)
         assert not _linear_nvfp4_supports(x, weight, scale, scale_2)                     # M = 33
-        assert not _linear_nvfp4_supports(x[:1, :16], weight[:, :8], scale, scale_2)    # scale not [N, K/16]
+        assert not _linear_nvfp4_supports(x[:1, :16], weight[:, :8].contiguous(), scale, scale_2)  # scale [N, K/8]
         assert not _linear_nvfp4_supports(x[:1], weight, scale.float(), scale_2)        # scale not E4M3
         assert not _linear_nvfp4_supports(x[:1, :24], weight[:, :12].contiguous(), scale, scale_2)  # K = 24
         with pytest.raises(ConfigError, match="linear_nvfp4"):
@@ -292,6 +292,70 @@ def test_plan_block_k_must_hold_whole_blocks():
     x, *w = nvfp4_inputs(1, 7, 32, torch.float32)
     with ops.use_backend("triton"), pytest.raises(ValueError, match="multiple of 16"):
         linear_nvfp4_triton(x, *w, plan=make_plan(1, 7, 32, block_n=8, block_k=8))
+
+
+def test_plan_must_cover_k_in_whole_steps():
+    """A plan made for another K is refused naming its slices and K, and writes nothing: K = 64's on K = 128
+    (half of K never read), K = 256's on K = 128 (two slices past K, which the kernels would read unmasked),
+    and slices of partial block_k steps."""
+    x, *w = nvfp4_inputs(1, 16, 128, torch.float32)
+    out = torch.full((1, 16), float("nan"))
+    for plan, slices in ((make_plan(1, 16, 64, block_n=16, block_k=64), "1 K slices of 64"),
+                         (make_plan(1, 16, 256, block_n=16, block_k=32, splits=4), "4 K slices of 64"),
+                         (dataclasses.replace(make_plan(1, 16, 128, block_n=16, block_k=32), splits=3, k_per_split=48),
+                          "3 K slices of 48")):
+        with ops.use_backend("triton"), pytest.raises(InputError, match=rf"plan='{slices}': .*cover K = 128"):
+            linear_nvfp4_triton(x, *w, out=out, plan=plan)
+    assert out.isnan().all()
+
+
+def _bad_operands(x, weight, scale, scale_2):
+    """(operands, the tensor named, the error's message) for each kind of operand the kernels cannot take."""
+    wide = torch.zeros(weight.shape[0], weight.shape[1] + 1, dtype=torch.uint8)[:, 1:]
+    wide.copy_(weight)
+    shifted = torch.zeros(weight.numel() + 1, dtype=torch.uint8)[1:].view_as(weight)   # one byte off a word
+    shifted.copy_(weight)
+    return [((x[None], weight, scale, scale_2), "x", "a 2-D"),
+            ((x.to(torch.float64), weight, scale, scale_2), "x", "a 2-D bf16, fp16 or fp32"),
+            ((torch.zeros(33, x.shape[1]), weight, scale, scale_2), "x", "up to 32.*backend=auto"),
+            ((x[:, :16], weight, scale, scale_2), "x", r"K = 32, as the weight \(7, 16\) holds"),
+            ((torch.cat([x, x], dim=1), weight, scale, scale_2), "x", r"K = 32, as the weight"),
+            ((x, weight.view(torch.int8), scale, scale_2), "weight", "uint8"),
+            ((x[:, :24], weight[:, :12].contiguous(), scale, scale_2), "weight", "multiple of 16"),
+            ((x, wide, scale, scale_2), "weight", r"rows a multiple of 4 bytes apart.*weight.contiguous\(\)"),
+            ((x, shifted, scale, scale_2), "weight", r"4-byte boundaries.*weight.clone\(\)"),
+            ((x, weight, scale.float(), scale_2), "weight_scale", "float8_e4m3fn"),
+            ((x, weight, scale[:, :1], scale_2), "weight_scale", r"\[7, 2\]"),
+            ((x, weight, scale.T.contiguous().T, scale_2), "weight_scale", "unit stride along K"),
+            ((x, weight, scale, scale_2.half()), "weight_scale_2", "one fp32 number"),
+            ((x, weight, scale, scale_2.expand(2)), "weight_scale_2", "one fp32 number")]
+
+
+def test_operands_are_refused_by_the_provider_as_by_its_predicate():
+    """One check (`operand_refusal`) serves the predicate and the provider, which is also called directly (the
+    fused op, scripts): each operand the kernels cannot take is refused by both, the provider naming the tensor
+    and what it needs (fp32 scales used to run and give wrong numbers), and nothing is written."""
+    x, weight, scale, scale_2 = nvfp4_inputs(3, 7, 32, torch.bfloat16)
+    for args, name, what in _bad_operands(x, weight, scale, scale_2):
+        out = torch.full((3, 7), float("nan"), dtype=torch.bfloat16)
+        with ops.use_backend("triton"):
+            assert not _linear_nvfp4_supports(*args), name
+            with pytest.raises(MtpfError, match=rf"^{name}=.*{what}"):
+                linear_nvfp4_triton(*args, out=out)
+        assert out.isnan().all(), name
+
+
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_k_zero_is_zeros_on_both_providers(m):
+    """K = 0: the reference's zeros from the provider too, which its predicate accepts (a contiguous [N, 0]
+    weight has strides (1, 1): nothing is read, so no layout is refused)."""
+    x = torch.zeros(m, 0, dtype=torch.bfloat16)
+    w = (torch.empty(5, 0, dtype=torch.uint8), torch.empty(5, 0, dtype=torch.float8_e4m3fn), torch.tensor(1.0))
+    out = torch.full((m, 5), float("nan"), dtype=torch.bfloat16)
+    with ops.use_backend("triton"):
+        assert _linear_nvfp4_supports(x, *w)
+        assert linear_nvfp4_triton(x, *w, out=out) is out
+    assert torch.equal(out, _linear_nvfp4_native(x, *w))
 
 
 def test_planned_nvfp4_tiles():
