@@ -1083,12 +1083,19 @@ def _default_plan(m: int, n: int, k: int, split_k: bool, lm_head: bool, sm90_lm_
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_nvfp4_ptx(device: torch.device) -> bool:
+    """The kernels' inline PTX assembles here: `cvt.rn.f16x2.e4m3x2` needs sm_89, `mul.rn.bf16x2` sm_90."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     weight_scale_2: torch.Tensor) -> MtpfError | None:
     """Why the Triton kernels cannot take these operands, as the error `linear_nvfp4_triton` raises (the
     provider's predicate says no to the same calls), or None: x a 2-D bf16, fp16 or fp32 [M <= 32, K]; weight
     uint8 [N, K/2], K a multiple of 16, unit stride along K, rows on 4-byte boundaries (read as int32 words);
-    weight_scale float8_e4m3fn [N, K/16], unit stride along K; weight_scale_2 one fp32 number."""
+    weight_scale float8_e4m3fn [N, K/16], unit stride along K; weight_scale_2 one fp32 number; x on the CPU
+    (the interpreter) or a GPU of sm_90 or later (the inline PTX)."""
     if x.dim() != 2 or x.dtype not in _X_DTYPES:
         return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a 2-D bf16, fp16 or fp32 [M, K] tensor",
                           "flatten the leading dimensions into M")
@@ -1122,6 +1129,10 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if weight_scale_2.dtype != torch.float32 or weight_scale_2.numel() != 1:
         return WeightsError("weight_scale_2", f"{weight_scale_2.dtype} {tuple(weight_scale_2.shape)}",
                             "one fp32 number", "pass the checkpoint's weight_scale_2 as stored")
+    if x.is_cuda and not _has_nvfp4_ptx(x.device):
+        return InputError("x.device", f"{x.device}, capability {torch.cuda.get_device_capability(x.device)}",
+                          "the NVFP4 kernels' PTX needs sm_90 or later",
+                          "call the op (`linear_nvfp4`) under runtime.backend=auto: it runs the reference here")
     return None
 
 
@@ -1177,6 +1188,9 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         if why and x_pairs is not None and x_pairs.order:
             raise ValueError(f"x_pairs: made in the wgmma kernel's order ({x_pairs.order}), which cannot run "
                              f"here: {why}")
+    stride_xm, stride_xk = x.stride()
+    if (m - 1) * stride_xm + (k - 1) * stride_xk >= 2**31:          # the kernels index x in int32
+        x = x.contiguous()
     x_pass = runs_x_pass(x, n, k, plan)
     if x_pairs is not None:
         if not x_pass:

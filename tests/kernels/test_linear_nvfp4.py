@@ -358,6 +358,25 @@ def test_k_zero_is_zeros_on_both_providers(m):
     assert torch.equal(out, _linear_nvfp4_native(x, *w))
 
 
+def test_x_rows_further_apart_than_int32_indexes_are_read_right():
+    """The kernels index x in int32 (row * stride): x whose rows lie 2^30 elements apart (row 2 at 2^31) is read
+    through a contiguous copy, not at a wrapped offset (which reads outside x: the interpreter crashed). The
+    4 GiB behind x are only reserved, never touched."""
+    x, *w = nvfp4_inputs(3, 16, 32, torch.bfloat16, seed=1)
+    far = torch.empty_strided((3, 32), (2**30, 1), dtype=torch.bfloat16)
+    far.copy_(x)
+    with ops.use_backend("triton"):
+        check(far, *w)
+
+
+def test_gpus_before_sm_90_are_refused(monkeypatch):
+    """The kernels' inline PTX needs sm_90 (`mul.rn.bf16x2`; `cvt.rn.f16x2.e4m3x2` sm_89): on older GPUs the
+    predicate says no (`auto` runs the reference) and the provider names the device (`operand_refusal`)."""
+    for capability, ok in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert linear_nvfp4_module._has_nvfp4_ptx.__wrapped__(torch.device("cuda", 0)) == ok, capability
+
+
 def test_planned_nvfp4_tiles():
     # wide weights: the decoded tile is the dot's first operand; small ones: 16-row tiles, split-K to fill
     lm_head = plan_for(32, 151936, 2048, True, TILES_NVFP4)
