@@ -126,7 +126,50 @@ def test_weight_only_nvfp4_dense_head_keeps_fc_k_v_unquantized():
     assert "weight-only NVFP4" in head.summary() and "LM head nvfp4" in head.summary()
     fmts = {m.name.rsplit(".", 1)[-1]: m.fmt for m in head.modules() if isinstance(m, Linear)}
     assert fmts["fc"] == fmts["k_proj"] == fmts["v_proj"] == "unq"
-    assert fmts["q_proj"] == fmts["o_proj"] == fmts["gate_proj"] == fmts["down_proj"] == "nvfp4"
+    assert fmts["q_proj"] == fmts["o_proj"] == fmts["gate_proj"] == fmts["up_proj"] == fmts["down_proj"] == "nvfp4"
+
+
+# DESIGN 2.2's table, for the heads built so far: how each projection is stored, by checkpoint name.
+L = "mtp.layers.0."
+ATTN = [L + f"self_attn.{p}_proj" for p in "qkvo"]
+MOE = [L + "mlp.gate", L + "mlp.shared_expert_gate",
+       *(L + f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down"))]
+STORED = {"unq": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}  # runtime.dtype=bfloat16
+TABLE = ([("dense", quant, lm, False) for quant in ("bf16", "fp8", "nvfp4") for lm in ("auto", "bf16", "fp8", "nvfp4")]
+         + [("bf16_moe", "bf16", lm, nvfp4) for nvfp4 in (False, True) for lm in ("auto", "bf16", "fp8", "nvfp4")])
+
+
+def table_formats(head, quant, lm_head, experts_nvfp4):
+    """{checkpoint name: format} of every projection, and the routed experts' format, as the table says."""
+    as_quant = {"bf16": "unq"}.get(quant, quant)
+    lm = {"auto": as_quant, "bf16": "unq"}.get(lm_head, lm_head)
+    if head == "dense":
+        fp8_only = "fp8" if quant == "fp8" else "unq"  # fc, k, v: FP8 under fp8, else unquantized
+        f = {"mtp.fc": fp8_only, ATTN[0]: as_quant, ATTN[1]: fp8_only, ATTN[2]: fp8_only, ATTN[3]: as_quant}
+        f |= {L + f"mlp.{p}_proj": as_quant for p in ("gate", "up", "down")}
+        return f | {"lm_head": lm}, None
+    f = dict.fromkeys(["mtp.fc", *ATTN, *MOE], "unq")
+    return f | {"lm_head": lm}, "nvfp4" if experts_nvfp4 else "unq"
+
+
+@pytest.mark.parametrize("head, quant, lm_head, experts_nvfp4", TABLE,
+                         ids=[f"{h}-{q}-lm_{lm}{'-experts_nvfp4' if e else ''}" for h, q, lm, e in TABLE])
+def test_every_projection_is_stored_as_the_quant_table_says(head, quant, lm_head, experts_nvfp4):
+    built = build(head, f"quant={quant}", f"quant.lm_head={lm_head}", f"levers.experts_nvfp4={experts_nvfp4}",
+                  "runtime.backend=native", "runtime.dtype=bfloat16")
+    linears = {m.name: m for m in built.modules() if isinstance(m, Linear)}
+    want, experts = table_formats(head, quant, lm_head, experts_nvfp4)
+    assert {name: m.fmt for name, m in linears.items()} == want
+    for name, m in linears.items():
+        packed = 2 if m.fmt == "nvfp4" else 1  # NVFP4: two codes a byte
+        assert m.weight.dtype == STORED[m.fmt], name
+        assert m.dequantize().shape == (m.weight.shape[0], m.weight.shape[1] * packed), name
+    if experts is None:
+        assert not hasattr(built.ffn, "experts")
+    else:
+        stored = built.ffn.experts
+        assert stored.fmt == experts and isinstance(stored, ExpertsNVFP4) == (experts == "nvfp4")
+        assert next(stored.parameters()).dtype == STORED[experts]
 
 
 @pytest.mark.parametrize("kv, exact", [("fp8", False), ("fp8", True)])
