@@ -408,22 +408,40 @@ def test_fused_moe_triton_repeated_ids_in_a_row(e):
     scaled_close(got, want, TOL[torch.float32])
 
 
-def small_call(fmt: str) -> tuple[object, dict[str, torch.Tensor]]:
-    """(op, every argument) of a call the Triton provider serves: N 3, E 4, k 2, H 32, I 32, fp32, shared."""
-    n, e, k, h, i = 3, 4, 2, 32, 32
-    gen = torch.Generator().manual_seed(14)
-    args = dict(x=torch.randn(n, h, generator=gen))
+def moe_call(fmt: str, shape, dtype, gen) -> tuple[object, dict[str, torch.Tensor]]:
+    """(op, every argument) of a MoE call with the shared blend, shape (N, E, k, H, I), experts unquantized
+    ("unq") or NVFP4, on gen's device; experts no row selected are NaN (their weights or NVFP4 globals), so a
+    provider that reads one fails."""
+    n, e, k, h, i = shape
+    args = dict(x=torch.randn(n, h, generator=gen, device=gen.device).to(dtype))
     if fmt == "unq":
-        args["w_gate_up"], args["w_down"] = experts(e, h, i, torch.float32, gen)
+        args["w_gate_up"], args["w_down"] = experts(e, h, i, dtype, gen)
     else:
         args.update(nvfp4_experts(e, h, i, gen))
-    args["topk_weights"], args["topk_ids"] = routing(n, e, k, gen)
-    args.update(shared_inputs(n, h, torch.float32, gen))
+    logits = torch.randn(n, e, generator=gen, device=gen.device)
+    args["topk_weights"], args["topk_ids"] = moe.moe_route_softmax(logits, k, True)
+    off = unselected(e, args["topk_ids"])
+    for name in ("w_gate_up", "w_down") if fmt == "unq" else ("gu_global", "dn_global"):
+        args[name][off] = float("nan")
+    args.update(shared_inputs(n, h, dtype, gen))
     return (moe.fused_moe if fmt == "unq" else moe.fused_moe_nvfp4), args
 
 
+# Past one group of 32 rows (N 40 and 33: two groups, candidates by expert id and by (row, slot) pair; the
+# row grouping is the same code for both formats) and past one tile along H and I (144: three 64-wide output
+# tiles, two 128-wide chunks of H and of I, five 32-wide tiles of I). Interpreted, a case takes 0.5-2 s.
+@pytest.mark.parametrize("fmt,shape,dtype", [
+    ("unq", (40, 4, 2, 32, 32), torch.bfloat16), ("unq", (33, 33, 1, 32, 32), torch.float32),
+    ("unq", (3, 4, 2, 144, 144), torch.bfloat16), ("nvfp4", (2, 4, 1, 144, 144), torch.bfloat16)],
+    ids=lambda v: shape_id(v) if isinstance(v, tuple) else str(v).removeprefix("torch."))
+def test_triton_past_one_row_group_and_one_tile(fmt, shape, dtype):
+    op, args = moe_call(fmt, shape, dtype, torch.Generator().manual_seed(sum(shape)))
+    got, want = run_both(op, args.pop("x"), args, {}, shape[2], shape[4])
+    scaled_close(got, want, TOL[dtype])
+
+
 def nvfp4_sized(h: int, i: int) -> dict[str, torch.Tensor]:
-    """The NVFP4 arguments of `small_call` resized to H, I (x, shared_out and the experts; H/16 and I/16 rounded
+    """The NVFP4 arguments of a call at N 3, E 4 resized to H, I (x, shared_out and the experts; H/16 and I/16 rounded
     down where they are not whole, as a caller's arithmetic would)."""
     return dict(x=torch.zeros(3, h), shared_out=torch.zeros(3, h),
                 gu_weight=torch.zeros(4, 2 * i, h // 2, dtype=torch.uint8),
@@ -432,7 +450,8 @@ def nvfp4_sized(h: int, i: int) -> dict[str, torch.Tensor]:
                 dn_scale=torch.zeros(4, h, i // 16).to(torch.float8_e4m3fn))
 
 
-# Calls whose shapes the kernels would misread: (format, the arguments that replace small_call's).
+# Calls whose shapes the kernels would misread: (format, the arguments that replace those of a served call
+# at N 3, E 4, k 2, H 32, I 32).
 MISFITS = {
     "x-H-not-the-experts": ("unq", lambda: dict(x=torch.zeros(3, 16), shared_out=torch.zeros(3, 16))),
     "x-rows-not-the-ids": ("unq", lambda: dict(x=torch.zeros(2, 32))),
@@ -457,7 +476,7 @@ def test_triton_providers_refuse_shapes_that_do_not_fit(case):
     """The predicate says no (so `auto` runs the reference and `triton` raises naming the op); the call it
     was changed from is served, so the refusal is the change's."""
     fmt, change = MISFITS[case]
-    op, args = small_call(fmt)
+    op, args = moe_call(fmt, (3, 4, 2, 32, 32), torch.float32, torch.Generator().manual_seed(14))
     supports = op.providers["triton"].supports
     with ops.use_backend("triton"):
         assert supports(**args)
@@ -496,28 +515,10 @@ def test_route_triton_qwen3_next_gpu(n):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("n", [1, 8, 32])
-def test_fused_moe_triton_qwen3_next_gpu(n):
+@pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
+@pytest.mark.parametrize("n", [1, 8, 32, 40])
+def test_fused_moe_triton_qwen3_next_gpu(n, fmt):
     e, k, h, i = QWEN3_NEXT.values()
-    gen = torch.Generator("cuda").manual_seed(n)
-    x = torch.randn(n, h, generator=gen, device="cuda").bfloat16()
-    w_gate_up, w_down = experts(e, h, i, torch.bfloat16, gen)
-    weights, ids = moe.moe_route_softmax(torch.randn(n, e, generator=gen, device="cuda"), k, True)
-    blend = shared_inputs(n, h, torch.bfloat16, gen)
-    got, want = run_both(moe.fused_moe, x, dict(w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights,
-                                                topk_ids=ids), blend, k, i)
-    scaled_close(got, want, TOL[torch.bfloat16])
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("n", [1, 8, 32])
-def test_fused_moe_nvfp4_triton_qwen3_next_gpu(n):
-    e, k, h, i = QWEN3_NEXT.values()
-    gen = torch.Generator("cuda").manual_seed(n)
-    x = torch.randn(n, h, generator=gen, device="cuda").bfloat16()
-    q = nvfp4_experts(e, h, i, gen)
-    weights, ids = moe.moe_route_softmax(torch.randn(n, e, generator=gen, device="cuda"), k, True)
-    blend = shared_inputs(n, h, torch.bfloat16, gen)
-    got, want = run_both(moe.fused_moe_nvfp4, x, dict(**q, topk_weights=weights, topk_ids=ids), blend, k, i)
+    op, args = moe_call(fmt, (n, e, k, h, i), torch.bfloat16, torch.Generator("cuda").manual_seed(n))
+    got, want = run_both(op, args.pop("x"), args, {}, k, i)
     scaled_close(got, want, TOL[torch.bfloat16])
