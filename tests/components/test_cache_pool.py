@@ -23,14 +23,19 @@ def test_drafter_pool_blocks(max_seq_len, block, max_seqs, main, extra, expected
     ("+head=bf16_moe", "runtime.main_kv_blocks=0", "kv=fp32"),
     ("+head=bf16_moe", "runtime.main_kv_blocks=300", "runtime.max_seq_len=1000"),
     ("+head=dense", "runtime.main_kv_blocks=5", "runtime.max_seq_len=1000", "runtime.block_size=32"),
+    ("+head=dense", "kv=fp8", "levers.kv_exact=true", "runtime.max_seq_len=1000"),  # fp32 scales per token
 ])
 def test_kv_reserve_bytes_is_what_the_built_head_allocates(overrides):
     cfg = mtpfactory.compose(*overrides, "runtime.device=cpu")
     head = mtpfactory.build_head(cfg)
     r = cfg.runtime
     blocks = drafter_pool_blocks(r.max_seq_len, r.block_size, r.max_seqs, r.main_kv_blocks)
-    assert head.cache.k.shape == (blocks, r.block_size, cfg.model.num_key_value_heads, cfg.model.head_dim)
-    allocated = sum(t.numel() * t.element_size() for t in (head.cache.k, head.cache.v))
+    c = head.cache
+    assert c.k.shape == (blocks, r.block_size, cfg.model.num_key_value_heads, cfg.model.head_dim)
+    scales = (c.k_scale, c.v_scale) if cfg.levers.kv_exact else ()
+    assert all(t.shape == (blocks, r.block_size, cfg.model.num_key_value_heads) for t in scales)
+    assert (c.k_scale is None) == (c.v_scale is None) == (not cfg.levers.kv_exact)
+    allocated = sum(t.numel() * t.element_size() for t in (c.k, c.v, *scales))
     assert mtpfactory.kv_reserve_bytes(cfg) == allocated
     assert f"pool={blocks} blocks" in head.summary()
 
