@@ -182,8 +182,11 @@ def test_a_reimported_plugin_module_registers_again(empty_registry):
 
 def test_a_failing_entry_point_is_named_and_the_others_still_load(empty_registry, monkeypatch, caplog):
     (empty_registry / "mtpf_test_broken.py").write_text("raise ImportError('needs a package that is not here')\n")
-    (empty_registry / "mtpf_test_good.py").write_text(
-        "import mtpfactory\n\n\ndef build(ctx, prefix):\n    return None\n\n\nmtpfactory.register('ffn', 'good', build)\n")
+    (empty_registry / "mtpf_test_good.py").write_text(textwrap.dedent("""
+        import mtpfactory
+
+        mtpfactory.register("ffn", "good", lambda ctx, prefix: None)
+    """))
     eps = [importlib.metadata.EntryPoint(name, value, registry.ENTRY_POINT_GROUP)
            for name, value in (("broken", "mtpf_test_broken"), ("good", "mtpf_test_good"))]
     monkeypatch.setattr(importlib.metadata, "entry_points",
