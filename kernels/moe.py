@@ -239,6 +239,15 @@ def _nvfp4_tiles(w_ptr, s_ptr, rows, row_ok, b0, n_bytes, stride_wn, stride_sn, 
 
 
 @triton.jit
+def _dot_halves(acc, a_even, a_odd, w_lo, w_hi, ACT: tl.constexpr, INTERP: tl.constexpr):
+    """acc + a @ w^T over one K chunk of an NVFP4 weight, from the even and odd elements of both: the
+    activations' [M, K/2] and the weight's fp32 tiles [R, K/2] (`_nvfp4_tiles`), rounded to x's dtype."""
+    acc += tl.dot(a_even, tl.trans(_round_act(w_lo, ACT, INTERP, False)), input_precision="ieee")
+    acc += tl.dot(a_odd, tl.trans(_round_act(w_hi, ACT, INTERP, False)), input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _group_pairs(ids_ptr, N, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, group):
     """The row group's expert ids [BM, KP] (-1 where no pair) and each pair's index within the group."""
     rows = group * BM + tl.arange(0, BM)
@@ -348,11 +357,10 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr,
                 x_even = _load_act(xp, xm, INTERP)                                         # [BM, BH/2]
                 x_odd = _load_act(xp + 1, xm, INTERP)
                 g_lo, g_hi = _nvfp4_tiles(wb, sb, ii, i_ok, b0, H // 2, stride_wn, stride_sn, glob_g, BI, NB, INTERP)
-                u_lo, u_hi = _nvfp4_tiles(wb, sb, ii + I, i_ok, b0, H // 2, stride_wn, stride_sn, glob_u, BI, NB, INTERP)
-                acc_g += tl.dot(x_even, tl.trans(_round_act(g_lo, ACT, INTERP, False)), input_precision="ieee")
-                acc_g += tl.dot(x_odd, tl.trans(_round_act(g_hi, ACT, INTERP, False)), input_precision="ieee")
-                acc_u += tl.dot(x_even, tl.trans(_round_act(u_lo, ACT, INTERP, False)), input_precision="ieee")
-                acc_u += tl.dot(x_odd, tl.trans(_round_act(u_hi, ACT, INTERP, False)), input_precision="ieee")
+                u_lo, u_hi = _nvfp4_tiles(wb, sb, ii + I, i_ok, b0, H // 2, stride_wn, stride_sn, glob_u, BI, NB,
+                                          INTERP)
+                acc_g = _dot_halves(acc_g, x_even, x_odd, g_lo, g_hi, ACT, INTERP)
+                acc_u = _dot_halves(acc_u, x_even, x_odd, u_lo, u_hi, ACT, INTERP)
         else:
             for h0 in range(0, H, BH):
                 hh = h0 + tl.arange(0, BH)
@@ -408,8 +416,7 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
                     h_odd = _load_act(hrow + cols[None, :] + 1, hm, INTERP)
                     d_lo, d_hi = _nvfp4_tiles(w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, oo, o_ok, b0,
                                               I // 2, stride_wn, stride_sn, glob, BHO, NB, INTERP)
-                    y += tl.dot(h_even, tl.trans(_round_act(d_lo, ACT, INTERP, False)), input_precision="ieee")
-                    y += tl.dot(h_odd, tl.trans(_round_act(d_hi, ACT, INTERP, False)), input_precision="ieee")
+                    y = _dot_halves(y, h_even, h_odd, d_lo, d_hi, ACT, INTERP)
             else:
                 for i0 in range(0, I, BI):
                     ii = i0 + tl.arange(0, BI)
@@ -507,8 +514,8 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     t = _tiles(hidden, inter, nvfp4)
     s_strides = (s_gu.stride(0), s_gu.stride(1)) if nvfp4 else (0, 0)
     _moe_gate_up_kernel[(groups * cand, triton.cdiv(inter, t["BI"]))](
-        x, ids, w_gu, s_gu, g_gu, h, n, hidden, inter, w_gu.shape[0], x.stride(0), w_gu.stride(0), w_gu.stride(1), *s_strides,
-        BI=t["BI"], BH=t["BH"], num_warps=t["warps"], **consts)
+        x, ids, w_gu, s_gu, g_gu, h, n, hidden, inter, w_gu.shape[0], x.stride(0), w_gu.stride(0), w_gu.stride(1),
+        *s_strides, BI=t["BI"], BH=t["BH"], num_warps=t["warps"], **consts)
     # The down kernel walks a group's candidates one after another; split them over programs until the
     # grid has a few programs per SM, then sum the fp32 partials in a fixed order.
     tiles = triton.cdiv(hidden, t["BHO"])
