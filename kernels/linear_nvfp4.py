@@ -1106,20 +1106,22 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if weight.dtype != torch.uint8 or weight.dim() != 2:
         return WeightsError("weight", f"{weight.dtype} {tuple(weight.shape)}", "a 2-D uint8 [N, K/2] tensor",
                             "pass the checkpoint's packed weight")
-    n = weight.shape[0]
-    if 2 * weight.shape[1] != k:
-        return InputError("x", f"[{m}, {k}]", f"K = {2 * weight.shape[1]}, as the weight {tuple(weight.shape)} "
-                          "holds (two codes a byte)", "pass this weight's input")
+    n, half_k = weight.shape
+    if 2 * half_k != k:
+        return InputError("x", f"[{m}, {k}]", f"K = {2 * half_k}, as the weight {tuple(weight.shape)} holds (two "
+                          "codes a byte)", "pass this weight's input")
     if k % NVFP4_BLOCK:
         return WeightsError("weight", f"K = {k}", "NVFP4 takes K a multiple of 16",
                             "keep this tensor unquantized or pad K")
-    if k and (weight.stride(1) != 1 or weight.stride(0) % 4):
-        return WeightsError("weight", f"strides {weight.stride()}", "unit stride along K, rows a multiple of 4 "
-                            "bytes apart (read as int32 words)", "pass weight.contiguous()")
-    if k and weight.storage_offset() % 4:
-        return WeightsError("weight", f"at byte {weight.storage_offset()} of its storage", "rows that start on "
-                            "4-byte boundaries (read as int32 words)", "pass weight.clone()")
-    if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // NVFP4_BLOCK):
+    if k:                                                            # K = 0 reads nothing: any layout
+        stride_n, stride_k = weight.stride()
+        if stride_k != 1 or stride_n % 4:
+            return WeightsError("weight", f"strides {weight.stride()}", "unit stride along K, rows a multiple of "
+                                "4 bytes apart (read as int32 words)", "pass weight.contiguous()")
+        if weight.storage_offset() % 4:
+            return WeightsError("weight", f"at byte {weight.storage_offset()} of its storage", "rows that start "
+                                "on 4-byte boundaries (read as int32 words)", "pass weight.clone()")
+    if weight_scale.dtype != torch.float8_e4m3fn or weight_scale.shape != (n, k // NVFP4_BLOCK):
         return WeightsError("weight_scale", f"{weight_scale.dtype} {tuple(weight_scale.shape)}",
                             f"float8_e4m3fn [N, K/16] = [{n}, {k // NVFP4_BLOCK}]",
                             "pass the checkpoint's weight_scale as stored (one E4M3 byte a 16-element block)")
@@ -1169,6 +1171,14 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     the kernel reads them and the pass is not launched."""
     if err := operand_refusal(x, weight, weight_scale, weight_scale_2):
         raise err
+    return _linear_nvfp4_launch(x, weight, weight_scale, weight_scale_2, split_k, out, plan, x_pairs)
+
+
+def _linear_nvfp4_launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         weight_scale_2: torch.Tensor, split_k: bool, out: torch.Tensor | None,
+                         plan: GemvPlan | None, x_pairs: XPairs | None) -> torch.Tensor:
+    """`linear_nvfp4_triton` on operands `operand_refusal` passed (the op's predicate checked them: one check a
+    call)."""
     m, k = x.shape
     n = weight.shape[0]
     out = check_out(out, m, n, x)
@@ -1266,7 +1276,7 @@ def _linear_nvfp4_supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
 
 def _linear_nvfp4_triton_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                             weight_scale_2: torch.Tensor, split_work: bool = True) -> torch.Tensor:
-    return linear_nvfp4_triton(x, weight, weight_scale, weight_scale_2, split_k=split_work)
+    return _linear_nvfp4_launch(x, weight, weight_scale, weight_scale_2, split_work, None, None, None)
 
 
 linear_nvfp4.register_provider("triton", _linear_nvfp4_triton_op, _linear_nvfp4_supports)

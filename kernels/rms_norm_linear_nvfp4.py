@@ -18,9 +18,10 @@ import torch
 
 from mtpfactory.kernels.linear import x_pass_pdl
 from mtpfactory.kernels.linear_nvfp4 import (
+    _linear_nvfp4_launch,
     _linear_nvfp4_native,
     _linear_nvfp4_supports,
-    linear_nvfp4_triton,
+    operand_refusal,
     planned_x_pairs,
 )
 from mtpfactory.kernels.rms_norm import _rms_norm_native, _rms_norm_supports, rms_norm_triton
@@ -43,12 +44,24 @@ rms_norm_linear_nvfp4 = Op("rms_norm_linear_nvfp4", _rms_norm_linear_nvfp4_nativ
 def rms_norm_linear_nvfp4_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centred: bool,
                                  weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                                  residual: torch.Tensor | None = None, split_work: bool = True):
+    """The Triton provider; the NVFP4 operands refused (`operand_refusal`) before anything is launched."""
+    if err := operand_refusal(x, weight, weight_scale, weight_scale_2):
+        raise err
+    return _rms_norm_linear_nvfp4(x, norm_weight, eps, zero_centred, weight, weight_scale, weight_scale_2, residual,
+                                  split_work)
+
+
+def _rms_norm_linear_nvfp4(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centred: bool,
+                           weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                           residual: torch.Tensor | None = None, split_work: bool = True):
+    """`rms_norm_linear_nvfp4_triton` on NVFP4 operands already checked (the op's predicate did, on x, which has
+    the norm's shape and dtype)."""
     m, k = x.shape
     x_pairs = None if m == 0 else planned_x_pairs(x, weight.shape[0], k, split_work, weight, weight_scale)
     pdl = x_pairs is not None and x_pass_pdl(x)
     normed = rms_norm_triton(x, norm_weight, eps, zero_centred, residual, x_pairs=x_pairs, pdl=pdl)
     y = normed if residual is None else normed[0]
-    logits = linear_nvfp4_triton(y, weight, weight_scale, weight_scale_2, split_k=split_work, x_pairs=x_pairs)
+    logits = _linear_nvfp4_launch(y, weight, weight_scale, weight_scale_2, split_work, None, None, x_pairs)
     return (logits, y) if residual is None else (logits, *normed)
 
 
@@ -59,4 +72,4 @@ def _rms_norm_linear_nvfp4_supports(x: torch.Tensor, norm_weight: torch.Tensor, 
             and _linear_nvfp4_supports(x, weight, weight_scale, weight_scale_2))
 
 
-rms_norm_linear_nvfp4.register_provider("triton", rms_norm_linear_nvfp4_triton, _rms_norm_linear_nvfp4_supports)
+rms_norm_linear_nvfp4.register_provider("triton", _rms_norm_linear_nvfp4, _rms_norm_linear_nvfp4_supports)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError
+from mtpfactory.errors import ConfigError, WeightsError
 from mtpfactory.kernels.linear_nvfp4 import XPairs, linear_nvfp4_triton, x_pass_split
 from mtpfactory.kernels.rms_norm import rms_norm_triton
-from mtpfactory.kernels.rms_norm_linear_nvfp4 import rms_norm_linear_nvfp4
+from mtpfactory.kernels.rms_norm_linear_nvfp4 import rms_norm_linear_nvfp4, rms_norm_linear_nvfp4_triton
 from mtpfactory.quant import dequantize_nvfp4
 from gemv_common import F16_SUM_RTOL, assert_matches, assert_pdl_reads_its_own_x, nvfp4_inputs, x_pass_reference
 
@@ -141,13 +141,16 @@ def test_fused_matches_reference_and_the_two_providers(m, lm_head, residual, mon
 
 def test_dispatch_and_refusal():
     """`auto` on the CPU takes the reference; an explicit `triton` that cannot serve the call (3-D x) raises
-    naming the op."""
+    naming the op; the provider called directly refuses NVFP4 operands the GEMV cannot take (fp32 scales)
+    as `linear_nvfp4_triton` does, naming the tensor."""
     x, norm_w, w, res = _inputs(2, 7, 32, 0, True)
     y = rms_norm_linear_nvfp4(x, norm_w, 1e-6, False, *w, residual=res)
     want = rms_norm_linear_nvfp4.reference(x, norm_w, 1e-6, False, *w, residual=res)
     assert all(torch.equal(a, b) for a, b in zip(y, want))
     with ops.use_backend("triton"), pytest.raises(ConfigError, match="rms_norm_linear_nvfp4"):
         rms_norm_linear_nvfp4(x[None], norm_w, 1e-6, False, *w, residual=res[None])
+    with ops.use_backend("triton"), pytest.raises(WeightsError, match="^weight_scale=.*float8_e4m3fn"):
+        rms_norm_linear_nvfp4_triton(x, norm_w, 1e-6, False, w[0], w[1].float(), w[2], residual=res)
 
 
 @pytest.mark.gpu
