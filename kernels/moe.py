@@ -111,7 +111,7 @@ def _fused_moe_native(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
 
     Returns sum_j w_j * down_j(silu(gate_j x) * up_j x) + sigmoid(shared_gate) * shared_out, [N, H] in
     x's dtype, reading only the selected experts (rounding order: see `_moe_native`)."""
-    _check_moe_buffers(x, topk_ids.shape[1], w_down.shape[-1], shared_out, shared_gate, out, workspace)
+    _check_moe_args(x, topk_ids.shape[1], w_down.shape[-1], shared_out, shared_gate, out, workspace)
     return _moe_native(x, w_gate_up.shape[0], lambda e: (w_gate_up[e], w_down[e]), topk_weights, topk_ids,
                        shared_out, shared_gate, out)
 
@@ -128,7 +128,7 @@ def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: 
     Each selected expert is dequantized to x's dtype with `dequantize_nvfp4` and run through the
     `fused_moe` reference maths."""
     inter = gu_weight.shape[1] // 2
-    _check_moe_buffers(x, topk_ids.shape[1], inter, shared_out, shared_gate, out, workspace)
+    _check_moe_args(x, topk_ids.shape[1], inter, shared_out, shared_gate, out, workspace)
 
     def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         gate = dequantize_nvfp4(gu_weight[e, :inter], gu_scale[e, :inter], gu_global[e, 0], x.dtype,
@@ -163,7 +163,7 @@ def _check_route_out(out, n: int, top_k: int, device: torch.device) -> None:
         _check_buffer("out[1] (ids)", out[1], (n, top_k), torch.int64, device)
 
 
-def _check_moe_buffers(x, top_k, inter, shared_out, shared_gate, out, workspace) -> None:
+def _check_moe_args(x, top_k, inter, shared_out, shared_gate, out, workspace) -> None:
     if (shared_out is None) != (shared_gate is None):
         given = "shared_out" if shared_gate is None else "shared_gate"
         raise InputError("shared_out, shared_gate", f"only {given} given",
@@ -241,7 +241,7 @@ def _nvfp4_tiles(w_ptr, s_ptr, rows, row_ok, b0, n_bytes, stride_wn, stride_sn, 
 @triton.jit
 def _dot_halves(acc, a_even, a_odd, w_lo, w_hi, ACT: tl.constexpr, INTERP: tl.constexpr):
     """acc + a @ w^T over one K chunk of an NVFP4 weight, from the even and odd elements of both: the
-    activations' [M, K/2] and the weight's fp32 tiles [R, K/2] (`_nvfp4_tiles`), rounded to x's dtype."""
+    activations' [M, K/2], and the weight's fp32 tiles [R, K/2] (`_nvfp4_tiles`) rounded to x's dtype here."""
     acc += tl.dot(a_even, tl.trans(_round_act(w_lo, ACT, INTERP, False)), input_precision="ieee")
     acc += tl.dot(a_odd, tl.trans(_round_act(w_hi, ACT, INTERP, False)), input_precision="ieee")
     return acc
@@ -492,7 +492,7 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     w_gu, s_gu, g_gu, w_dn, s_dn, g_dn = tensors
     n, hidden = x.shape
     top_k = topk_ids.shape[1]
-    _check_moe_buffers(x, top_k, inter, shared_out, shared_gate, out, workspace)
+    _check_moe_args(x, top_k, inter, shared_out, shared_gate, out, workspace)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device) if out is None else out
     if n == 0:
@@ -525,9 +525,8 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     s_strides = (s_dn.stride(0), s_dn.stride(1)) if nvfp4 else (0, 0)
     _moe_down_kernel[(groups * split, tiles)](
         h, ids, tw, w_dn, s_dn, g_dn, so, sg, out, part, n, hidden, inter, w_dn.shape[0], w_dn.stride(0),
-        w_dn.stride(1),
-        *s_strides, *strides, SPLIT=split, BHO=t["BHO"], BI=t["BI_K"], HAS_SHARED=has_shared, PARTIAL=split > 1,
-        num_warps=t["warps"], **consts)
+        w_dn.stride(1), *s_strides, *strides, SPLIT=split, BHO=t["BHO"], BI=t["BI_K"], HAS_SHARED=has_shared,
+        PARTIAL=split > 1, num_warps=t["warps"], **consts)
     if split > 1:
         _moe_blend_kernel[(n, triton.cdiv(hidden, 128))](
             part, so, sg, out, n, hidden, split, *strides, BM=1, BHO=128, HAS_SHARED=has_shared,
