@@ -19,7 +19,8 @@ from mtpfactory.kernels.quantize_nvfp4 import global_absmax_bits, quantize_nvfp4
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                                  reason="Triton on the CPU needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=pytest.mark.gpu),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
 ]
 E4M3_SUB = 2.0**-9                     # the smallest e4m3 subnormal
 # Block [6, every midpoint, their negatives, -0] times its scale: under a unit global scale each
@@ -191,12 +192,14 @@ def test_refusals(device):
 # --- real sizes, on the GPU ---------------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_lm_head_151936x2048():
     gen = torch.Generator(device="cuda").manual_seed(0)
     triton_matches_reference(torch.randn(151936, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02)
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_512_experts_of_512x2048_stacked(dtype):
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -154,6 +154,7 @@ def test_dispatch_and_refusal():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 2])
 def test_gpu_lm_head_after_its_norm(m):
     """On the 151936 x 2048 LM head: the fused op equals the two Triton providers in turn bit for bit, and
@@ -174,6 +175,7 @@ def test_gpu_lm_head_after_its_norm(m):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m,wgmma", [(1, False), (3, False), (3, True), (32, False), (32, True)])
 def test_gpu_pdl_reads_this_norms_pairs(m, wgmma, monkeypatch):
     """The GEMV (M = 1, 3), fp16 dot (M = 32) or wgmma kernel (M = 3, 32 on sm_90) launched beside the norm
