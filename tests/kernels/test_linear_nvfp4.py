@@ -523,6 +523,45 @@ def test_gpu_every_code_and_scale_decodes():
             assert torch.equal(out, want[first:first + m]), (m, plan, first)
 
 
+def _all_codes_and_scales_k512():
+    """[N=64, K=512]: `_all_codes_and_scales` four times down N and twice along K, each copy's bytes and scales
+    rolled along K (every code pair and scale in other places), for K a multiple of 512 (the wgmma kernel)."""
+    weight, scale, scale_2 = _all_codes_and_scales()
+    bits = scale.view(torch.uint8)
+    weight = torch.cat([torch.cat([weight.roll(r, 1), weight.roll(r + 4, 1)], 1) for r in range(4)])   # [64, 256]
+    bits = torch.cat([torch.cat([bits.roll(r, 1), bits.roll(r + 1, 1)], 1) for r in range(4)])        # [64, 32]
+    return weight, bits.view(torch.float8_e4m3fn), scale_2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("path,m", [("gemv_x_pass", 1), ("rows", 8), ("f16_dot", 32), ("wgmma", 8), ("wgmma", 32)])
+def test_gpu_every_code_and_scale_decodes_on_the_16_bit_x_kernels(path, m, monkeypatch):
+    """As test_gpu_every_code_and_scale_decodes, on the kernels whose decode is other PTX, compiled: the GEMV of
+    one row on x's pass (`_E2M1X16_F16_DOT_PTX`), the GEMV of several rows (`_E2M1X16_F16X2_PTX`, then
+    `_F16X2_BLOCK_SUM_PTX` a row), the fp16 dot (`_E2M1X8_F16_SCALED_PTX`, split K) and on sm_90 the wgmma kernel
+    (`_E4M3X4_F16X2_PAIRS_PTX` and `_E2M1X8_F16_SCALED_PTX` on its fragments), all on an LM head's plans. Rows of
+    the identity pick single columns: each result is one product E2M1 * scale * x * 2^e (exact in fp16), times
+    powers of two and weight_scale_2, so every code under every scale must come out exactly, in its place."""
+    if path == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
+    monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(linear_nvfp4_module, "WGMMA", path == "wgmma")
+    weight, scale, scale_2 = (t.cuda() for t in _all_codes_and_scales_k512())
+    n, k = 64, 512
+    want = dequantize_nvfp4(weight, scale, scale_2).T.to(torch.bfloat16)                 # [512, 64]
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
+    split_k = path == "f16_dot"
+    plan = (make_plan(m, n, k, block_n=64, block_k=256, block_m=8, num_stages=2) if path == "rows"
+            else default_plan(eye[:m], n, k, split_k))
+    assert {"gemv_x_pass": uses_f16_gemv(eye[:m], plan) and m == 1, "rows": uses_f16_gemv(eye[:m], plan),
+            "f16_dot": uses_f16_dot(eye[:m], n, k, plan) and plan.splits > 1, "wgmma": plan.wgmma}[path], plan
+    for first in range(0, k, m):
+        out = linear_nvfp4_triton(eye[first:first + m], weight, scale, scale_2, split_k=split_k,
+                                  plan=plan if path == "rows" else None)
+        assert torch.equal(out, want[first:first + m]), (path, m, first)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_auto_backend_picks_triton(monkeypatch):
