@@ -91,15 +91,15 @@ def _linear_nvfp4_native(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native)
 
-# From the H200 sweeps (scripts/tune_gemv.py). M = 1, 2026-12-03: the fp16-sum GEMV at (64, 256), 4 warps,
-# one step ahead: 151936 x 2048 58.9 us, 154880 x 4096 122.8 (128 x 256: 58.6 / 134.4; 32 x 256: 64.5 /
-# 121.8; 2 warps 58.1 / 130.5; 8 warps slower); looking ahead at the words only, not x: 61.4 / 115.1. The
-# fp32 GEMV it replaces for 16-bit x: 76.5 / 146.8. Those were before x's pass; with it, the LM heads take
-# `TILES_NVFP4_LM_HEAD`.
-# The tensor-core kernel, 2026-12-03: 64-row tiles, the decoded tile the dot's first operand, K steps of
-# 256, loads one step ahead (151936 x 2048: 119.7 us at M = 8, 137.8 at M = 32; 128-row or shorter-K tiles
-# 130-148 us); weights with fewer than 128 such tiles narrow to 32 and 16 rows and split K (8192 x 2048,
-# M = 32: 12.5 us at (64, 256) in 2 slices; 2048 x 4096, M = 32: 13.7 at (16, 256) in 2).
+# The fastest tiles of the H200 sweeps (scripts/tune_gemv.py, 2026-12-03; BENCHMARKS.md). M = 1, 16-bit x
+# without x's pass (the LM heads run it and take `TILES_NVFP4_LM_HEAD`): the fp16-sum GEMV at (64, 256), 4
+# warps, one step ahead, 58.9 us on 151936 x 2048 and 122.8 on 154880 x 4096, where the fp32 GEMV takes 76.5
+# and 146.8; no other tile was ahead on both (128 x 256: 58.6 / 134.4; 32 x 256: 64.5 / 121.8; 2 warps 58.1 /
+# 130.5; 8 warps slower; looking ahead at the words only, not x: 61.4 / 115.1).
+# The tensor-core kernel: 64-row tiles, the decoded tile the dot's first operand, K steps of 256, loads one
+# step ahead (151936 x 2048: 119.7 us at M = 8, 137.8 at M = 32; 128-row or shorter-K tiles 130-148 us);
+# weights with fewer than 128 such tiles narrow to 32 and 16 rows and split K (8192 x 2048, M = 32: 12.5 us
+# at (64, 256) in 2 slices; 2048 x 4096, M = 32: 13.7 at (16, 256) in 2).
 TILES_NVFP4 = TileTable(m1=Tile(64, 256), m16=Tile(64, 256, stages=2, swap_ab=True),
                         m32=Tile(64, 256, stages=2, swap_ab=True), min_tiles=512, min_block_k=32, min_tiles_dot=128,
                         min_block_n_dot=16)
@@ -911,10 +911,10 @@ def uses_x_pass(n: int, k: int) -> bool:
 
 # 16-bit x on the LM heads (`LM_HEAD_MIN_ELEMENTS`), never narrowed (they have thousands of tiles):
 # - one row, 32 x 256 with 2 warps, one step ahead: the same K loop as TILES_NVFP4's 64 x 256 with 4 warps
-#   (2.73 instructions an element, 96 registers), half the rows a program, ahead in every H200 sweep of both
-#   (151936 x 2048: 50.1-50.2 us against 50.9-51.0 in three processes, and 56.2 against 56.9 a run before;
-#   154880 x 4096: 106.7 against 106.8); 2 to GEMV_MAX_ROWS rows without look-ahead (the registers go to the
-#   rows' sums: M = 4, 64 x 256: 88.5 us, 96.2 loading one step ahead).
+#   (2.73 instructions an element, 96 registers), half the rows a program, ahead of it in every H200 sweep
+#   (151936 x 2048: 50.1-50.2 us against 50.9-51.0; 154880 x 4096: 106.7 against 106.8; BENCHMARKS.md, sixth
+#   run); 2 to GEMV_MAX_ROWS rows without look-ahead (the registers go to the rows' sums: M = 4, 64 x 256:
+#   88.5 us, 96.2 loading one step ahead).
 # - M >= 17, the fp16 dot on x's pass's pairs (`_gemm_nvfp4_f16_kernel`): at M = 32, 64 x 128 with 4 warps,
 #   one step ahead: 130.8 us on 151936 x 2048 and 265.7 on 154880 x 4096, against 140.7 and 280.9 for the
 #   bf16 dot at its 64 x 256 (tune_gemv.py, 2026-12-03; 128 x 64 with 8 warps: 125.7 and 270.9).

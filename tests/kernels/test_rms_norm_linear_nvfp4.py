@@ -90,7 +90,8 @@ def test_gemv_refuses_pairs_of_another_plan(x_pass_everywhere):
     out = torch.full((1, 33), float("nan"), dtype=torch.bfloat16)
     split = x_pass_split(x, 33, 208, True)
     with ops.use_backend("triton"):
-        with pytest.raises(ValueError, match=f"x_pairs: .*k_per_split {split + 16}, order 0; .*k_per_split {split}, order 0"):
+        with pytest.raises(ValueError,
+                           match=f"x_pairs: .*k_per_split {split + 16}, order 0; .*k_per_split {split}, order 0"):
             linear_nvfp4_triton(x, *w, split_k=True, out=out, x_pairs=poisoned_pairs(1, 208, split + 16))
         x5 = torch.randn(5, 208)
         assert x_pass_split(x5, 33, 208, True) is None
