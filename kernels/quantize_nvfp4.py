@@ -148,5 +148,18 @@ def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
     return q, scale, global_scale
 
 
-quantize_nvfp4 = Op("quantize_nvfp4", quant.quantize_nvfp4)
+def _quantize_nvfp4_native(w: torch.Tensor, name: str = "weight", *,
+                           out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The definition, `mtpfactory.quant.quantize_nvfp4`, written into `out` (checked as the Triton provider
+    checks it) when given."""
+    made = quant.quantize_nvfp4(w, name)
+    if out is None:
+        return made
+    for what, t, m in zip(("weight", "weight_scale", "weight_scale_2"), out, made):
+        check_out(what, t, m.dtype, tuple(m.shape))
+    return tuple(t.copy_(m) for t, m in zip(out, made))
+
+
+quantize_nvfp4 = Op("quantize_nvfp4", _quantize_nvfp4_native)
 quantize_nvfp4.register_provider("triton", quantize_nvfp4_triton, _quantize_nvfp4_supports)

@@ -189,6 +189,23 @@ def test_refusals(device):
     assert untouched(bad_out)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_reference_takes_out_too(device):
+    """A call with `out` that dispatch sends to the reference writes it as the Triton provider does, bit for
+    bit; an `out` of another shape is refused there too, before anything is written."""
+    w = torch.randn(4, 48, generator=torch.Generator().manual_seed(10)).to(device)
+    ref = quant.quantize_nvfp4(w)
+    out = poisoned(4, 48, device)
+    with ops.use_backend("native"):
+        bad = (out[0], poisoned(5, 48, device)[1], out[2])
+        with pytest.raises(InputError, match="weight_scale"):
+            quantize_nvfp4(w, out=bad)
+        assert untouched(out)
+        got = quantize_nvfp4(w, out=out)
+    assert all(g is o for g, o in zip(got, out))
+    assert all(torch.equal(g.reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)) for g, r in zip(got, ref))
+
+
 # --- real sizes, on the GPU ---------------------------------------------------------------------------------
 
 @pytest.mark.gpu
