@@ -482,6 +482,11 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
                          f"must be at least M = {m}: the launch has no M axis, so rows {plan.block_m} to {m - 1} "
                          "would be left unwritten", "make the plan for this M (make_plan's default block_m "
                          "fits it), or leave plan=None")
+    elif plan.k_per_split <= 0 or plan.k_per_split % plan.block_k or plan.splits * plan.k_per_split < k:
+        raise InputError("plan", f"{plan.splits} K slices of {plan.k_per_split}", f"slices of whole block_k = "
+                         f"{plan.block_k} steps that cover K = {k} (a slice reads block_k steps to its end, so "
+                         "another length overlaps the next slice, and K past the slices is never read)",
+                         f"make the plan for K = {k}: make_plan(m, n, {k}, ...)")
     if plan.tma:
         xd = TensorDescriptor.from_tensor(x, [plan.block_m, plan.block_k])
         wd = TensorDescriptor.from_tensor(weight, [plan.block_n, plan.block_k])

@@ -173,6 +173,18 @@ def test_plans_whose_block_m_is_under_m_are_refused(m, block_m):
     assert bool((out == 7.0).all())
 
 
+@pytest.mark.parametrize("plan_k, splits, k_per_split", [(16, 1, 16), (32, 3, 12)])
+def test_plans_that_do_not_cover_k_in_whole_steps_are_refused(plan_k, splits, k_per_split):
+    """A plan made for a shorter K leaves K past its slices unread, and slices that are not whole block_k steps
+    overlap: both refused before anything is written."""
+    x, w = make_inputs(2, 7, 32, torch.float32)
+    plan = dataclasses.replace(make_plan(2, 7, plan_k, 8, 8), splits=splits, k_per_split=k_per_split)
+    out = torch.full((2, 7), 7.0)
+    with pytest.raises(InputError, match=f"plan='{splits} K slices of {k_per_split}'.*cover K = 32"):
+        linear_triton(x, w, plan=plan, out=out)
+    assert bool((out == 7.0).all())
+
+
 def test_op_dispatch_uses_triton_under_triton_backend(monkeypatch):
     calls = []
     p = linear.providers["triton"]
