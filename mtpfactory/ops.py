@@ -72,9 +72,9 @@ class Op:
                 return p.fn(*args, **kwargs)
         if backend != "auto":
             raise ConfigError("runtime.backend", backend, f"op {self.name} has no {backend} provider for this call "
-                              f"({_describe(args)}; providers: {['native', *self.providers]})",
+                              f"({_describe(args, kwargs)}; providers: {['native', *self.providers]})",
                               "use runtime.backend=auto to fall back to the reference per op")
-        log.debug("op %s: no fast provider serves this call (%s); using native", self.name, _describe(args))
+        log.debug("op %s: no fast provider serves this call (%s); using native", self.name, _describe(args, kwargs))
         return self.reference(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -149,9 +149,11 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _describe(args: tuple) -> str:
-    return ", ".join(f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')} {a.device}" for a in args
-                     if isinstance(a, torch.Tensor))
+def _describe(args: tuple, kwargs: dict) -> str:
+    """The call's tensors, positional then by keyword (`out=` as well): shape, dtype, device."""
+    show = lambda a: f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')} {a.device}"  # noqa: E731
+    named = [(f"{k}=", v) for k, v in kwargs.items()]
+    return ", ".join(name + show(a) for name, a in [("", a) for a in args] + named if isinstance(a, torch.Tensor))
 
 
 def _qualname(fn: Callable) -> str:

@@ -195,3 +195,11 @@ def test_a_failing_entry_point_is_named_and_the_others_still_load(empty_registry
         assert "good" in registry.names("ffn")
     assert "entry point broken = mtpf_test_broken" in caplog.text
     assert "needs a package that is not here" in caplog.text
+
+
+def test_a_refused_op_call_names_its_keyword_tensors_too(monkeypatch):
+    """`runtime.backend=triton` with no provider for the call: the error lists every tensor, `out=` included."""
+    monkeypatch.setattr(ops, "_OPS", {})
+    op = ops.Op("test_op", lambda x, *, out=None: x)
+    with ops.use_backend("triton"), pytest.raises(ConfigError, match=r"\(2, 3\) float32 cpu, out=\(2, 3\) int64 cpu"):
+        op(torch.zeros(2, 3), out=torch.zeros(2, 3, dtype=torch.int64))
