@@ -61,6 +61,9 @@ def _moe_route_softmax_native(router_logits: torch.Tensor, top_k: int, renormali
     Softmax over all experts in fp32; the top_k experts by fp32 logit (the same order as by probability),
     ties to the lower id (a stable sort: `torch.topk` does not promise which of two equal values comes
     first); their probabilities, divided by their sum when `renormalize`."""
+    if not 1 <= top_k <= router_logits.shape[-1]:
+        raise InputError("top_k", top_k, f"from 1 to the {router_logits.shape[-1]} experts the logits score",
+                         "route to at most as many experts as there are")
     _check_route_out(out, router_logits.shape[0], top_k, router_logits.device)
     logits = router_logits.float()                                       # [N, E]
     probs = torch.softmax(logits, dim=-1)

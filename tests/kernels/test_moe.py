@@ -183,6 +183,15 @@ def test_route_refuses_out_that_does_not_fit(backend):
         assert not any(bool(t.any()) for t in out)
 
 
+def test_route_refuses_more_experts_than_there_are():
+    """top_k above E: the reference would return E columns; it refuses, and no provider takes the call."""
+    logits = torch.randn(3, 4)
+    with pytest.raises(InputError, match="top_k=5: from 1 to the 4 experts"):
+        moe.moe_route_softmax(logits, 5, True)
+    with ops.use_backend("triton"), pytest.raises(ConfigError, match="moe_route_softmax"):
+        moe.moe_route_softmax(logits, 5, True)
+
+
 # --- the references --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
