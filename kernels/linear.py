@@ -375,8 +375,8 @@ def check_out(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torc
     if out is None:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
     if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"out is {tuple(out.shape)} {out.dtype} {out.device}; this call writes "
-                         f"[{m}, {n}] {x.dtype} {x.device}: pass a matching tensor or out=None")
+        raise InputError("out", f"{tuple(out.shape)} {out.dtype} {out.device}",
+                         f"this call writes [{m}, {n}] {x.dtype} {x.device}", "pass a matching tensor or out=None")
     return out
 
 
