@@ -9,6 +9,8 @@ changes: a refused call changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -55,18 +57,6 @@ class SeqState:
 
 
 @dataclass(frozen=True)
-class Undo:
-    """What a batch of checked writes may change, saved before it runs: each touched sequence's
-    (start, end, blocks) (None: not live yet), the free list, and the pool rows at the slots the writes
-    overwrite (flat slots [n], and for k, v, k_scale, v_scale their rows at those slots, or None)."""
-
-    seqs: dict[int, tuple[int, int, list[int]] | None]
-    free: list[int]
-    slots: torch.Tensor | None
-    rows: tuple[torch.Tensor | None, ...]
-
-
-@dataclass(frozen=True)
 class WritePlan:
     """Where rows p..q of one sequence go: their slots in the pool, and the sequence's state after."""
 
@@ -87,6 +77,7 @@ class PagedKVCache:
             self.v_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
         self._free = list(range(spec.num_blocks - 1, -1, -1))  # a stack: lowest block first
         self.seqs: dict[int, SeqState] = {}
+        self._taken: list[int] | None = None    # inside `writing`: the blocks taken, in order
 
     # --- queries -------------------------------------------------------------------------------------
     @property
@@ -130,40 +121,58 @@ class PagedKVCache:
                                        f"the pool has {self.spec.num_blocks} blocks",
                                        "free finished sequences, or raise runtime.main_kv_blocks / max_seqs")
 
+    @contextmanager
+    def writing(self, writes: list[WritePlan]) -> Iterator[None]:
+        """Apply checked writes (`check_writes`) inside: `commit` each. If the enclosed forward raises part-way
+        (an op with no provider under backend=triton, an interrupt), the cache is put back as it was: a refused
+        call changes nothing (DESIGN 5).
+
+        Blocks a write drops (those past its q) go back to the pool only once the block ends without an error,
+        so no other sequence of the call can take them and overwrite rows an undo gives back. The undo then
+        needs only each touched sequence's (start, end, block count), the blocks taken (returned to the free
+        stack in reverse, which restores its order), and the rows a rewrite (p < end) overwrites: none for a
+        decode step at the end."""
+        assert self._taken is None, "writes do not nest"
+        saved = {w.seq_id: None if (s := self.seqs.get(w.seq_id)) is None else (s.start, s.end, len(s.blocks))
+                 for w in writes}
+        over = [self.slots(w.seq_id, w.p, min(w.q, s.end - 1)) for w in writes
+                if (s := self.seqs.get(w.seq_id)) is not None and w.p < s.end]
+        slots = torch.cat(over) if over else None
+        rows = [None if t is None or slots is None else _flat(t)[slots] for t in self._pools()]  # copies
+        self._taken = []
+        try:
+            yield
+        except BaseException:
+            for seq_id, was in saved.items():
+                if was is None:
+                    self.seqs.pop(seq_id, None)
+                elif seq_id in self.seqs:
+                    s = self.seqs[seq_id]
+                    s.start, s.end = was[0], was[1]
+                    del s.blocks[was[2]:]
+            self._free.extend(reversed(self._taken))
+            for t, r in zip(self._pools(), rows):
+                if r is not None:
+                    _flat(t)[slots] = r
+            raise
+        else:
+            for seq_id in saved:
+                if (s := self.seqs.get(seq_id)) is not None and s.end > s.start:
+                    self._release(s, self._blocks_for(s.start, s.end - 1))
+        finally:
+            self._taken = None
+
     def commit(self, w: WritePlan) -> torch.Tensor:
-        """Apply a checked write; returns the slots of rows p..q (int64 [q - p + 1])."""
+        """Apply a checked write, inside `writing`; returns the slots of rows p..q (int64 [q - p + 1]). The blocks
+        past q stay with the sequence until `writing` ends."""
+        assert self._taken is not None, "commit runs inside PagedKVCache.writing"
         s = self.seqs.setdefault(w.seq_id, SeqState(start=w.p, end=w.p))
         n = self._blocks_for(s.start, w.q)
         while len(s.blocks) < n:
             s.blocks.append(self._free.pop())
-        self._release(s, n)
+            self._taken.append(s.blocks[-1])
         s.end = w.q + 1
         return self.slots(w.seq_id, w.p, w.q)
-
-    def save(self, writes: list[WritePlan]) -> Undo:
-        """What `restore` needs to undo these writes. Rows past a sequence's end need no saving: the restored
-        range does not reach them. A write at the end (a decode step) overwrites nothing, so saves no rows."""
-        seqs = {w.seq_id: None if (s := self.seqs.get(w.seq_id)) is None else (s.start, s.end, list(s.blocks))
-                for w in writes}
-        over = [self.slots(w.seq_id, w.p, min(w.q, s.end - 1)) for w in writes
-                if (s := self.seqs.get(w.seq_id)) is not None and w.p < s.end]
-        slots = torch.cat(over) if over else None
-        rows = tuple(None if t is None or slots is None else _flat(t)[slots].clone() for t in self._pools())
-        return Undo(seqs, list(self._free), slots, rows)
-
-    def restore(self, undo: Undo) -> None:
-        """Put the touched sequences, the free list and the overwritten rows back as `save` found them."""
-        for seq_id, saved in undo.seqs.items():
-            if saved is None:
-                self.seqs.pop(seq_id, None)
-            else:
-                s = self.seqs.setdefault(seq_id, SeqState(*saved))
-                s.start, s.end, s.blocks = saved
-        self._free = undo.free
-        if undo.slots is not None:
-            for t, rows in zip(self._pools(), undo.rows):
-                if t is not None:
-                    _flat(t)[undo.slots] = rows
 
     def _pools(self) -> tuple[torch.Tensor | None, ...]:
         return self.k, self.v, self.k_scale, self.v_scale

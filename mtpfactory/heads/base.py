@@ -8,8 +8,6 @@ decode path: writes KV, attends, returns logits and the chained hidden).
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +60,7 @@ class DraftHead(nn.Module):
                              "consecutive (p, p+1, ..., q)", "split the rows into consecutive runs")
         plan = WritePlan(_as_int(seq_id, "seq_id"), p[0], p[-1])
         self.cache.check_writes([plan])
-        with self._all_or_nothing([plan]):
+        with self.cache.writing([plan]):
             if self.prefill_scratch is None:  # row by row through the decode path
                 for i in range(len(p)):
                     self._step_checked([plan.seq_id], tokens[i:i + 1], hidden[i:i + 1], positions[i:i + 1])
@@ -81,7 +79,7 @@ class DraftHead(nn.Module):
         tokens, hidden, positions = self._check_rows(tokens, hidden, positions, batch=len(ids))
         plans = [WritePlan(i, p, p) for i, p in zip(ids, positions.tolist())]
         self.cache.check_writes(plans)
-        with self._all_or_nothing(plans):
+        with self.cache.writing(plans):
             return self._step_checked(ids, tokens, hidden, positions)
 
     @torch.inference_mode()
@@ -96,7 +94,7 @@ class DraftHead(nn.Module):
         plans = [WritePlan(i, p, p + k - 1) for i, p in zip(ids, positions.tolist())]
         self.cache.check_writes(plans)
         drafts = []
-        with self._all_or_nothing(plans):
+        with self.cache.writing(plans):
             for _ in range(k):
                 logits, hidden = self._step_checked(ids, tokens, hidden, positions)
                 with ops.running(self.backend, self.device):
@@ -121,17 +119,6 @@ class DraftHead(nn.Module):
         raise NotImplementedError
 
     # --- internals -----------------------------------------------------------------------------------
-    @contextmanager
-    def _all_or_nothing(self, writes: list[WritePlan]) -> Iterator[None]:
-        """Run checked writes; if the forward raises part-way (an op with no provider under backend=triton,
-        an interrupt), put the cache back as it was, so a refused call changes nothing (DESIGN 5)."""
-        undo = self.cache.save(writes)
-        try:
-            yield
-        except BaseException:
-            self.cache.restore(undo)
-            raise
-
     def _step_checked(self, ids: list[int], tokens, hidden, positions):
         plist = positions.tolist()
         slots = torch.cat([self.cache.commit(WritePlan(i, p, p)) for i, p in zip(ids, plist)])

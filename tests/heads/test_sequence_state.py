@@ -183,7 +183,10 @@ def fail_after(n: int, real):
 def live(head):
     """What a caller can observe: each sequence's (start, end, blocks) and the K/V of its written range, the
     blocks in use, and the free list (which blocks the next write takes)."""
-    seqs = {i: (state(head, i), *seq_kv(head, i)) for i in head.cache.seqs}
+    c = head.cache
+    scales = lambda i: [t.flatten(0, 1)[c.slots(i, c.seqs[i].start, c.seqs[i].end - 1)]  # noqa: E731
+                        for t in (c.k_scale, c.v_scale) if t is not None]                   # kv_exact's
+    seqs = {i: (state(head, i), *seq_kv(head, i), *scales(i)) for i in c.seqs}
     return seqs, head.cache.blocks_in_use, list(head.cache._free)
 
 
@@ -224,6 +227,28 @@ def test_a_call_whose_forward_fails_changes_nothing(drafter_prefill, monkeypatch
     assert_rel_close(step(head, 1, r, 20), step(ref, 1, r, 20))
     reset(head)
     reset(ref)
+
+
+@pytest.mark.parametrize("kv", [(), ("kv=fp8", "levers.kv_exact=true")], ids=["kv-auto", "kv-fp8-exact"])
+def test_a_failed_call_gives_back_rows_that_another_sequence_could_have_taken(kv, monkeypatch):
+    """Sequence 1 rewrites at 10 (its block of 16..19 is dropped) while sequence 2, one full block, appends and
+    needs a block: the dropped block goes back to the pool only after the call succeeds, so the failed call
+    cannot have handed it to sequence 2 and overwritten rows the undo gives back to sequence 1 (K, V and,
+    under kv_exact, their scales). On success the dropped block is returned."""
+    head = built(*kv)
+    prefill(head, 1, rows(20, 1))            # [0, 20): blocks for 0..15 and 16..19
+    prefill(head, 2, rows(16, 2), start=30)  # [30, 46): one full block
+    before = live(head)
+    r = rows(2, 3)
+    again = lambda: head.step(torch.tensor([1, 2]), r[0], r[1], torch.tensor([10, 46]))  # noqa: E731
+    with monkeypatch.context() as m:
+        m.setattr(head.ffn, "forward", fail_after(1, head.ffn.forward))
+        with pytest.raises(mtpfactory.ConfigError, match="no triton provider"):
+            again()
+    assert_live_unchanged(head, before, "rewrite one, append the other")
+    again()
+    assert state(head, 1)[:2] == (0, 11) and len(state(head, 1)[2]) == 1 and head.cache.blocks_in_use == 3
+    reset(head)
 
 
 # --- truncate -----------------------------------------------------------------------------------------
