@@ -1084,9 +1084,13 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.lru_cache(maxsize=None)
-def _has_nvfp4_ptx(device: torch.device) -> bool:
-    """The kernels' inline PTX assembles here: `cvt.rn.f16x2.e4m3x2` needs sm_89, `mul.rn.bf16x2` sm_90."""
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+def device_refusal(device: torch.device) -> InputError | None:
+    """Why the kernels cannot run on `device`, or None: the CPU (the interpreter) or a GPU whose PTX the
+    kernels' inline assembly needs (`cvt.rn.f16x2.e4m3x2` sm_89, `mul.rn.bf16x2` sm_90)."""
+    if device.type != "cuda" or (capability := torch.cuda.get_device_capability(device)) >= (9, 0):
+        return None
+    return InputError("x.device", f"{device}, capability {capability}", "the NVFP4 kernels' PTX needs sm_90 or "
+                      "later", "call the op (`linear_nvfp4`) under runtime.backend=auto: it runs the reference here")
 
 
 def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -1131,11 +1135,7 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if weight_scale_2.dtype != torch.float32 or weight_scale_2.numel() != 1:
         return WeightsError("weight_scale_2", f"{weight_scale_2.dtype} {tuple(weight_scale_2.shape)}",
                             "one fp32 number", "pass the checkpoint's weight_scale_2 as stored")
-    if x.is_cuda and not _has_nvfp4_ptx(x.device):
-        return InputError("x.device", f"{x.device}, capability {torch.cuda.get_device_capability(x.device)}",
-                          "the NVFP4 kernels' PTX needs sm_90 or later",
-                          "call the op (`linear_nvfp4`) under runtime.backend=auto: it runs the reference here")
-    return None
+    return device_refusal(x.device)
 
 
 def plan_refusal(plan: GemvPlan, m: int, k: int, x16: bool) -> MtpfError | None:

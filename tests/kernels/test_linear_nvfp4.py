@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 
 import pytest
 import torch
@@ -372,9 +373,23 @@ def test_x_rows_further_apart_than_int32_indexes_are_read_right():
 def test_gpus_before_sm_90_are_refused(monkeypatch):
     """The kernels' inline PTX needs sm_90 (`mul.rn.bf16x2`; `cvt.rn.f16x2.e4m3x2` sm_89): on older GPUs the
     predicate says no (`auto` runs the reference) and the provider names the device (`operand_refusal`)."""
+    refusal = linear_nvfp4_module.device_refusal.__wrapped__       # uncached: each capability asked afresh
     for capability, ok in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert linear_nvfp4_module._has_nvfp4_ptx.__wrapped__(torch.device("cuda", 0)) == ok, capability
+        err = refusal(torch.device("cuda", 0))
+        assert (err is None) == ok, capability
+        assert ok or re.search(rf"x.device='cuda:0, capability \({capability[0]}, {capability[1]}\)'.*sm_90", str(err))
+    assert refusal(torch.device("cpu")) is None
+    # the predicate and the provider ask it about x's device
+    x, weight, scale, scale_2 = nvfp4_inputs(1, 5, 32, torch.float32)
+    seen = []
+    monkeypatch.setattr(linear_nvfp4_module, "device_refusal",
+                        lambda device: seen.append(device) or InputError("x.device", str(device), "(a test)"))
+    with ops.use_backend("triton"):
+        assert not _linear_nvfp4_supports(x, weight, scale, scale_2)
+    with pytest.raises(InputError, match=r"x.device='cpu': \(a test\)"):
+        linear_nvfp4_triton(x, weight, scale, scale_2)
+    assert seen == [x.device, x.device]
 
 
 def test_planned_nvfp4_tiles():
