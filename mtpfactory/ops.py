@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpfactory.errors import ConfigError, InputError
+from mtpfactory.registry import same_definition
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Op:
         """Attach a fast provider. Registering the same function again (the same object, or the same `def`
         run again by a module re-import) replaces it; any other function under a taken name is refused."""
         old = self.providers.get(name)
-        if old is not None and not _same_function(old.fn, fn):
+        if old is not None and not same_definition(old.fn, fn):
             raise ConfigError(f"op {self.name} provider", name,
                               f"already registered by {_qualname(old.fn)} ({_where(old.fn)}), not {_where(fn)}",
                               "give the provider another name")
@@ -74,7 +75,9 @@ class Op:
             raise ConfigError("runtime.backend", backend, f"op {self.name} has no {backend} provider for this call "
                               f"({_describe(args, kwargs)}; providers: {['native', *self.providers]})",
                               "use runtime.backend=auto to fall back to the reference per op")
-        log.debug("op %s: no fast provider serves this call (%s); using native", self.name, _describe(args, kwargs))
+        if log.isEnabledFor(logging.DEBUG):     # _describe costs microseconds on every op of a CPU run
+            log.debug("op %s: no fast provider serves this call (%s); using native", self.name,
+                      _describe(args, kwargs))
         return self.reference(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -158,17 +161,6 @@ def _describe(args: tuple, kwargs: dict) -> str:
 
 def _qualname(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _same_function(a: Callable, b: Callable) -> bool:
-    """The same object, or one `def` run twice (a module re-import): the same name, file and first line,
-    and no captured state. Two lambdas, or two closures made by one factory, are different functions."""
-    if a is b:
-        return True
-    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return (ca is not None and cb is not None and _qualname(a) == _qualname(b)
-            and (ca.co_filename, ca.co_firstlineno) == (cb.co_filename, cb.co_firstlineno)
-            and not getattr(a, "__closure__", None) and not getattr(b, "__closure__", None))
 
 
 def _where(fn: Callable) -> str:

@@ -56,7 +56,7 @@ def register(kind: str, name: str, builder: Callable | None = None, *, override:
     taken, by = _registered[kind].get(name), None
     if taken is None and name in _BUILTIN[kind]:
         taken, by = _load(_BUILTIN[kind][name]), _BUILTIN[kind][name].replace(":", ".")
-    if taken is not None and not override and not _same_builder(taken, builder):
+    if taken is not None and not override and not same_definition(taken, builder):
         raise ConfigError(f"{kind} '{name}'", _qualname(builder), f"the name is taken by {by or _qualname(taken)}",
                           "choose another name, or pass override=True to replace it")
     _registered[kind][name] = builder
@@ -115,18 +115,19 @@ def _load(target: str) -> Callable:
     return getattr(importlib.import_module(module), attr)
 
 
-def _same_builder(a: Callable, b: Callable) -> bool:
-    """The same object, or the same builder re-created by a module re-import: a function from the same file,
-    first line and name with no closure (two closures of one factory share their code, not what they
-    captured), or a module-level class of the same module and name."""
+def same_definition(a: Callable, b: Callable) -> bool:
+    """The same object, or the same definition run again by a module re-import: a function of equal code (its
+    body, name, file, line and column) and defaults, with no captured state (two lambdas, even on one line,
+    or two closures of one factory, are different functions), or a module-level class of the same module and
+    name. Registries use it to tell a re-import from a second builder under a taken name."""
     if a is b:
         return True
     if isinstance(a, type) and isinstance(b, type):
         return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__) and "<locals>" not in a.__qualname__
     ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    if ca is None or cb is None or a.__closure__ is not None or b.__closure__ is not None:
-        return False
-    return (ca.co_filename, ca.co_firstlineno, a.__qualname__) == (cb.co_filename, cb.co_firstlineno, b.__qualname__)
+    return (ca is not None and cb is not None and ca == cb and ca.co_filename == cb.co_filename
+            and not getattr(a, "__closure__", None) and not getattr(b, "__closure__", None)
+            and (a.__defaults__, a.__kwdefaults__) == (b.__defaults__, b.__kwdefaults__))
 
 
 def _qualname(obj: Callable) -> str:

@@ -146,7 +146,7 @@ def empty_registry(monkeypatch, tmp_path):
             del sys.modules[name]
 
 
-def test_a_different_builder_under_a_taken_name_is_refused_even_with_the_same_qualname(empty_registry):
+def test_a_different_builder_under_a_taken_name_is_refused_even_with_the_same_qualname(empty_registry, monkeypatch):
     registry.register("ffn", "mine", lambda ctx, prefix: "a")
     with pytest.raises(ConfigError, match="taken"):
         registry.register("ffn", "mine", lambda ctx, prefix: "b")
@@ -158,6 +158,17 @@ def test_a_different_builder_under_a_taken_name_is_refused_even_with_the_same_qu
     with pytest.raises(ConfigError, match="taken"):  # one factory's closures share their code, not their capture
         registry.register("ffn", "scaled", scaled(2))
     assert registry.get("ffn", "scaled")(None, "") == 1
+
+    a, b = lambda ctx, prefix: "a", lambda ctx, prefix: "b"  # noqa: E731  (one line: same name, file and line)
+    registry.register("ffn", "one_line", a)
+    with pytest.raises(ConfigError, match="taken"):
+        registry.register("ffn", "one_line", b)
+    assert registry.get("ffn", "one_line") is a
+    monkeypatch.setattr(ops, "_OPS", {})  # a throwaway op, out of the real registry
+    op = ops.Op("test_op", lambda x: x)
+    op.register_provider("triton", a, bool)
+    with pytest.raises(ConfigError, match="already registered"):
+        op.register_provider("triton", b, bool)
 
 
 def test_a_reimported_plugin_module_registers_again(empty_registry):
