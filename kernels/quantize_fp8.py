@@ -58,6 +58,32 @@ def divides_by_reciprocal(device_type: str) -> bool:
     return verdicts.pop()
 
 
+# --- the tensor's absmax: its NaN/Inf check before anything is written (also used by quantize_nvfp4) ---------
+
+FINITE_LIMIT = 0x7F800000             # fp32 bits of +Inf: |x| bits at or above it are Inf or NaN
+
+
+@triton.jit
+def _absmax_kernel(x_ptr, amax_ptr, numel, ITERS, BLOCK: tl.constexpr):
+    """Program p folds elements [p * ITERS * BLOCK, (p + 1) * ITERS * BLOCK) into `*amax_ptr` (int32, zeroed)."""
+    offs = tl.program_id(0).to(tl.int64) * ITERS * BLOCK + tl.arange(0, BLOCK)   # [BLOCK]
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for _ in range(0, ITERS):
+        x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        offs += BLOCK
+    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+
+
+def global_absmax_bits(x: torch.Tensor, *, block: int = 4096, max_programs: int = 1024) -> torch.Tensor:
+    """int32 0-dim tensor: the fp32 bits of max |x| over contiguous `x` (above 0x7F800000: a NaN or Inf)."""
+    acc = torch.zeros((), dtype=torch.int32, device=x.device)
+    numel = x.numel()
+    iters = triton.cdiv(triton.cdiv(numel, block), max_programs)
+    _absmax_kernel[(triton.cdiv(numel, iters * block),)](x, acc, numel, iters, BLOCK=block)
+    return acc
+
+
 # --- per-row FP8 --------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -102,27 +128,31 @@ def quantize_fp8_triton(w: torch.Tensor, name: str = "weight", *,
     """Triton provider of `quantize_fp8`: (weight float8_e4m3fn [N, K], weight_scale fp32 [N]).
 
     `out`: that pair preallocated (contiguous), written and returned. A NaN/Inf in `w` is refused as the
-    reference refuses it, checked on the row scales after the launch (one sync); so that a refused call
-    leaves `out` as it was, the kernel writes fresh tensors, copied into `out` once the check has passed.
+    reference refuses it, with one sync: without `out`, checked on the row scales after the launch; with it,
+    on the tensor's absmax before (one more read of `w`), so that a refused call leaves `out` as it was
+    without a second copy of the weight's size.
     """
     n, k = w.shape
     if out is not None:
         check_out("weight", out[0], torch.float8_e4m3fn, (n, k))
         check_out("weight_scale", out[1], torch.float32, (n,))
     x = w.contiguous()
-    q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
-    scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    if out is None:
+        q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
+        scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    else:
+        if int(global_absmax_bits(x)) >= FINITE_LIMIT:
+            check_finite(w, name)
+        q, scale = out
     block_k = min(triton.next_power_of_2(k), 1024)
     block_m = min(triton.next_power_of_2(n), max(1, 4096 // block_k))
     _quantize_fp8_kernel[(triton.cdiv(n, block_m),)](
         x, q.view(torch.uint8), scale, n, k,
         INV_448=fp32_reciprocal(FP8_E4M3_MAX), BY_RECIPROCAL=divides_by_reciprocal(w.device.type),
         BLOCK_M=block_m, BLOCK_K=block_k)
-    if not bool(torch.isfinite(scale).all()):
+    if out is None and not bool(torch.isfinite(scale).all()):
         check_finite(w, name)
-    if out is None:
-        return q, scale
-    return out[0].copy_(q), out[1].copy_(scale)
+    return q, scale
 
 
 def check_out(what: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:

@@ -2,9 +2,9 @@
 (a block with s = 0 stores 1 and codes 0), codes = E2M1 of `x / (s * global)`, ties to the even code, two
 codes a byte with the even element in the low nibble. The definition is `mtpfactory.quant.quantize_nvfp4`.
 
-Two launches: `_absmax_kernel` folds |x| into one int32 by atomic max on the fp32 bits (for non-negative
-floats the integer order is the float order, and NaN/Inf land above every finite value, which is how
-they are caught); `_quantize_nvfp4_kernel` then handles a tile of consecutive 16-element blocks per
+Two launches: `global_absmax_bits` (quantize_fp8.py) folds |x| into one int32 by atomic max on the fp32
+bits (for non-negative floats the integer order is the float order, and NaN/Inf land above every finite
+value, which is how they are caught); `_quantize_nvfp4_kernel` then handles a tile of consecutive 16-element blocks per
 program (blocks run row-major over [N, K], so a tile is rows x blocks of one contiguous span, and the
 block index is also the index of its scale and, times 8, of its first packed byte).
 
@@ -23,25 +23,18 @@ import triton.language as tl
 from mtpfactory import quant
 from mtpfactory.errors import WeightsError
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits, e4m3_value
-from mtpfactory.kernels.quantize_fp8 import check_out, divides_by_reciprocal, fp32_reciprocal
+from mtpfactory.kernels.quantize_fp8 import (
+    FINITE_LIMIT,
+    check_out,
+    divides_by_reciprocal,
+    fp32_reciprocal,
+    global_absmax_bits,
+)
 from mtpfactory.ops import Op, triton_can_run
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 from mtpfactory.quant.nvfp4 import E2M1_MAX, NVFP4_BLOCK
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FINITE_LIMIT = 0x7F800000            # fp32 bits of +Inf: |x| bits at or above it are Inf or NaN
-
-
-@triton.jit
-def _absmax_kernel(x_ptr, amax_ptr, numel, ITERS, BLOCK: tl.constexpr):
-    """Program p folds elements [p * ITERS * BLOCK, (p + 1) * ITERS * BLOCK) into `*amax_ptr` (int32, zeroed)."""
-    offs = tl.program_id(0).to(tl.int64) * ITERS * BLOCK + tl.arange(0, BLOCK)   # [BLOCK]
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for _ in range(0, ITERS):
-        x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-        offs += BLOCK
-    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -88,15 +81,6 @@ def _quantize_nvfp4_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, global_ptr, n_bloc
     tl.store(scale_ptr + blk, s_bits.to(tl.uint8), mask=blk_ok)
 
 
-def global_absmax_bits(x: torch.Tensor, *, block: int = 4096, max_programs: int = 1024) -> torch.Tensor:
-    """int32 0-dim tensor: the fp32 bits of max |x| over contiguous `x` (above 0x7F800000: a NaN or Inf)."""
-    acc = torch.zeros((), dtype=torch.int32, device=x.device)
-    numel = x.numel()
-    iters = triton.cdiv(triton.cdiv(numel, block), max_programs)
-    _absmax_kernel[(triton.cdiv(numel, iters * block),)](x, acc, numel, iters, BLOCK=block)
-    return acc
-
-
 def _refusal(w: torch.Tensor, name: str) -> WeightsError | None:
     """Why the kernels cannot quantize `w`, as the error the provider raises (its predicate says no to the same
     calls), or None: a 2-D fp32, bf16 or fp16 [N, K] tensor with elements, K a multiple of 16 (a block that
@@ -138,7 +122,7 @@ def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
     check_out("weight_scale_2", global_scale, torch.float32, ())
 
     amax = global_absmax_bits(x)
-    if int(amax) >= _FINITE_LIMIT:
+    if int(amax) >= FINITE_LIMIT:
         check_finite(w, name)
     n_blocks, blocks = n * (k // NVFP4_BLOCK), 128
     _quantize_nvfp4_kernel[(triton.cdiv(n_blocks, blocks),)](
