@@ -460,8 +460,9 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"x is [{m}, {k}], weight {tuple(weight.shape)} with strides {weight.stride()}: "
-                         "the weight must be [N, K] with unit stride along K")
+        raise InputError("weight", f"{tuple(weight.shape)} with strides {weight.stride()}",
+                         f"[N, K] with K = {k} as x [{m}, {k}] has, and unit stride along K",
+                         "pass weight.contiguous(), or x of this weight's K")
     out = check_out(out, m, n, x)
     if m == 0 or n == 0:
         return out

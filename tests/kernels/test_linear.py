@@ -173,6 +173,15 @@ def test_plans_whose_block_m_is_under_m_are_refused(m, block_m):
     assert bool((out == 7.0).all())
 
 
+def test_a_weight_of_another_k_or_strided_along_k_is_refused_by_the_provider():
+    x, w = make_inputs(2, 7, 16, torch.float32)
+    out = torch.full((2, 7), 7.0)
+    for weight in (w[:, :8], w.t().contiguous().t()):
+        with pytest.raises(InputError, match=r"weight='\(7, (8|16)\) with strides .*: \[N, K\] with K = 16"):
+            linear_triton(x, weight, out=out)
+    assert bool((out == 7.0).all())
+
+
 @pytest.mark.parametrize("plan_k, splits, k_per_split", [(16, 1, 16), (32, 3, 12)])
 def test_plans_that_do_not_cover_k_in_whole_steps_are_refused(plan_k, splits, k_per_split):
     """A plan made for a shorter K leaves K past its slices unread, and slices that are not whole block_k steps
