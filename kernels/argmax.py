@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpfactory.errors import InputError
 from mtpfactory.ops import Op, check_out, triton_can_run, write_out
 
 
@@ -67,11 +68,13 @@ _CHUNK = 2048  # elements per first-stage program: V = 152k gives 75 programs a 
 _MAX_V = 2**30  # indices are int32 in the kernel; grid axis 1 (chunks) stops at 65535
 
 
-def _argmax_supports(logits, out=None, chunk=_CHUNK) -> bool:
+def _argmax_supports(logits, out=None) -> bool:
+    """Through the op, `chunk` (the provider's tuning argument) is not taken: the reference has none, so a call
+    means the same under every backend. Tests and sweeps pass it to `argmax_triton` itself."""
     tensors = [t for t in (logits, out) if t is not None]
     return (triton_can_run(*tensors) and logits.dim() == 2 and logits.dtype in _FLOATS
             and logits.stride(-1) == 1 and 1 <= logits.shape[1] <= _MAX_V
-            and triton.cdiv(logits.shape[1], chunk) <= 65535)
+            and triton.cdiv(logits.shape[1], _CHUNK) <= 65535)
 
 
 def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: int = _CHUNK) -> torch.Tensor:
@@ -85,6 +88,9 @@ def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: 
         return y
     chunk = min(chunk, triton.next_power_of_2(V))
     n_chunks = triton.cdiv(V, chunk)
+    if n_chunks > 65535:
+        raise InputError("chunk", chunk, f"at most 65535 chunks of V = {V} (the grid's second dimension)",
+                         f"use chunk >= {triton.next_power_of_2(triton.cdiv(V, 65535))}")
     if n_chunks == 1:
         _argmax_chunk_kernel[(B, 1)](logits, logits.stride(0), V, y, y, y, y.stride(0), 1, CHUNK=chunk,
                                      SINGLE=True)

@@ -236,7 +236,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 
 def _triton_supports(q, k_cache, v_cache, block_tables, context_lens, scale, gate=None, k_scale=None,
-                     v_scale=None, **_) -> bool:
+                     v_scale=None, *, out=None) -> bool:
+    """Through the op, the provider's tuning arguments (num_splits, block_n, num_warps, fast_dot) are not taken:
+    the reference has none, so a call means the same under every backend. Tests and sweeps pass them to
+    `paged_decode_attention_triton` itself."""
     tensors = [t for t in (q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale)
                if t is not None]
     if not triton_can_run(*tensors):

@@ -9,15 +9,17 @@ import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import InputError
-from mtpfactory.kernels.argmax import argmax
+from mtpfactory.kernels.argmax import argmax, argmax_triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def run(logits: torch.Tensor, **kw) -> torch.Tensor:
+    """The Triton provider into a poisoned out: through the op, or with tuning arguments (`chunk`), which the op
+    does not take, called directly."""
     out = torch.full((logits.shape[0],), -1, dtype=torch.int64, device=logits.device)
     with ops.use_backend("triton"):
-        got = argmax(logits, out=out, **kw)
+        got = argmax_triton(logits, out=out, **kw) if kw else argmax(logits, out=out)
     assert got is out
     return got
 
@@ -101,3 +103,12 @@ def test_strided_out_which_every_provider_takes(backend, V):
 def test_gpu_matches_reference(dtype, B, V):
     x = planted(max(B, 6), V, dtype, seed=B + V, device="cuda")[:B]
     assert torch.equal(run(x), argmax.reference(x))
+
+
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_the_op_takes_no_tuning_argument_under_any_backend(backend):
+    """`chunk` belongs to `argmax_triton`: through the op it is refused alike, whichever provider would run."""
+    with ops.use_backend(backend), pytest.raises(TypeError, match="chunk"):
+        argmax(torch.zeros(2, 5), chunk=16)
+    with pytest.raises(InputError, match="chunk=1: at most 65535 chunks"):
+        argmax_triton(torch.zeros(1, 70000), chunk=1)

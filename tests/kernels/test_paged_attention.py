@@ -22,7 +22,7 @@ import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import InputError
-from mtpfactory.kernels.paged_attention import paged_decode_attention
+from mtpfactory.kernels.paged_attention import paged_decode_attention, paged_decode_attention_triton
 
 # The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -81,9 +81,12 @@ def _poison(cache: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
 
 
 def run_triton(*args, **kwargs) -> torch.Tensor:
+    """The Triton provider into a NaN-poisoned out: through the op, or with tuning arguments (num_splits,
+    block_n, fast_dot), which the op does not take, called directly."""
     out = torch.full_like(args[0], float("nan"))
     with ops.use_backend("triton"):
-        res = paged_decode_attention(*args, out=out, **kwargs)
+        call = paged_decode_attention_triton if kwargs else paged_decode_attention
+        res = call(*args, out=out, **kwargs)
     assert res is out
     return out
 
