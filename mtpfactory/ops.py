@@ -7,8 +7,9 @@
 - `triton`: the Triton provider, and an error naming the op when it cannot serve the call (never a
   silent fallback).
 
-A head runs its forward inside `use_backend(...)`, so components call ops plainly (`ops.rms_norm(x, w)`)
-and never thread a backend argument through.
+The ops themselves are defined in `mtpfactory.kernels` (one file each). A head runs its forward inside
+`use_backend(...)`, so components call them plainly (`K.rms_norm(x, w, eps, zero_centred)`, with
+`from mtpfactory import kernels as K`) and never thread a backend argument through.
 
 An op that takes `out=` takes it in its reference too (`write_out`), so a call means the same whichever
 provider serves it; every provider checks `out` (`check_out`) before writing anything.

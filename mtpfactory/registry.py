@@ -47,8 +47,8 @@ def register(kind: str, name: str, builder: Callable | None = None, *, override:
     """Register `builder` as component `name` of `kind`; usable as `@register(kind, name)`.
 
     A name that is taken (by a built-in or another builder) is refused unless `override=True`;
-    registering the same builder again is allowed: the same object, or the same function re-created by a
-    module re-import (same file, line and name, no closure).
+    registering the same builder again is allowed: the same object, or the same definition re-created by a
+    module re-import (`same_definition`).
     """
     if builder is None:
         return lambda fn: register(kind, name, fn, override=override)
