@@ -11,6 +11,10 @@ kernel off) against the bf16 dot it replaced (TILES_NVFP4's plan).
 --compare fused times the head's final norm (with its residual) and the NVFP4 LM head after it: as one op
 (`rms_norm_linear_nvfp4`, the norm making x's pass) against the two providers in turn (the GEMV's own
 pass), and the GEMV alone on pairs made beforehand (what the LM head costs when the norm makes its pass).
+Launches are not all alike: the cuBLAS row, and every call that begins with x's pass or the norm, waits for the
+call before it to end; the "gemv" rows of --compare fused launch the GEMV alone as a programmatic dependent
+launch (`x_pass_pdl`, as the heads launch it after their norm), so in the graph each may start while the GEMV
+before it ends: a head start of an estimated 0.5-1 us a call (not measured) that cuBLAS cannot be given.
 
     python3 scripts/clock_watch.py --csv out/clocks.csv [--rounds 12] [--shape lm_head_qwen] [--ms 1,2]
         [--formats nvfp4,fp8] [--compare pdl|alone|fused|dot|wgmma]
@@ -141,6 +145,9 @@ def main() -> int:
     bw = copy_bandwidth()
     floor_us = {fmt: weight_bytes(w[fmt][0]) / bw * 1e6 for fmt in ("bf16", "fp8", "nvfp4")}
     print(f"{args.shape} {n}x{k}: copy bandwidth {bw / 1e12:.3f} TB/s, floors (us) {floor_us}; NVFP4 M = 1 {shipped}")
+    if args.compare == "fused":
+        print("# the gemv rows are programmatic dependent launches on the GEMV before them; the other rows and "
+              "cuBLAS wait for the call before them to end (see the docstring)")
     # x's pass alone (the shipped plan's launch of it), to tell its share of the GEMV's time
     pairs = XPairs.empty(1, k, shipped.k_per_split, x.device)
     x_pass = [lambda: pairs.fill(x)] * MIN_CALLS

@@ -10,7 +10,8 @@ On the device (after `GPU_TESTS=0 BENCH=0 bash scripts/device_run.sh` installed 
         python3 -P scripts/ncu_linear.py --format nvfp4 --shape lm_head_qwen --m 32
 
 --peer FILE profiles another version of the wgmma kernel's module instead (a scratch file, as
-`sweep_wgmma.py --peer` times one), at its own tile for M, on x's pass made beforehand.
+`sweep_wgmma.py --peer` times one), at its own tile for M, on x's pass made beforehand, launched as the planner
+launches the kernel (`sweep_wgmma.wgmma_call`: a programmatic dependent launch where `x_pass_pdl` allows).
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@ sum|x||w| + 1e-6 |ref|; a fragment on the wrong K position misses by O(sum|x||w|
 that does not compile, fit or launch, is reported and not timed. Then rounds: every (tile, M) and the
 planner's calls timed in a CUDA graph of MIN_CALLS calls over weight copies past the L2, the order reversed
 every other round (the power cap slows whichever runs after a heavy launch), each time beside its floor (the
-packed weights and scales over the copy bandwidth measured in the same run). The kernel runs on x's pairs made beforehand (as the heads' final norm
-makes them), so only the GEMM is timed.
+packed weights and scales over the copy bandwidth measured in the same run). The kernel runs on x's pairs made
+beforehand (as the heads' final norm makes them), so only the GEMM is timed. Every wgmma row, the tiles', the
+peers' and the planner's, is a programmatic dependent launch where `x_pass_pdl` allows, as the planner launches
+it after x's pass: in the graph each call may start while the one before it ends. The Triton rows launch as
+their plan does (the same where it reads x's pairs; a plan without them waits for the call before).
 
     python3 scripts/sweep_wgmma.py [--shapes lm_head_qwen,lm_head_glm] [--ms 2,4,8,16,32] [--rounds 2]
         [--tiles 128x8w-3,64x4w-4,...] [--peer old.py [--peer new.py ...] [--peer-tiles 128x8w-2,64x4w-3,...]]
@@ -64,10 +67,14 @@ def x_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def wgmma_call(x: torch.Tensor, t: tuple, tile: WgmmaTile, out: torch.Tensor, launch=gemm_nvfp4_wgmma):
+    """One launch of the kernel at `tile` on x's pairs made beforehand, launched as the planner launches it
+    (`_linear_nvfp4_launch`: a programmatic dependent launch where `x_pass_pdl` allows), so that in a graph each
+    call may start while the one before it ends, as the planner's rows do."""
     x16, exps = x_pairs(x)
     weight, scale, scale_2 = t
     words, bits, s2 = weight.view(torch.int32), scale.view(torch.uint8), scale_2.reshape(1)
-    return lambda: launch(x16, exps, words, bits, s2, out, False, tile)
+    pdl = linear_nvfp4.x_pass_pdl(x)
+    return lambda: launch(x16, exps, words, bits, s2, out, pdl, tile)
 
 
 def planner_call(x: torch.Tensor, t: tuple, wgmma: bool = True):
