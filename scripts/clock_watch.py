@@ -133,8 +133,7 @@ def main() -> int:
                          "wgmma: NVFP4 at M = 2-32 on the wgmma kernel and on the Triton kernels")
     args = ap.parse_args()
     n, k = SHAPES[args.shape]
-    copies = max(MIN_CALLS, -(-512 * 2**20 // (n * k * 2)))
-    w = formats(n, k, copies)
+    w = formats(n, k)   # bench_kernels.formats: ROTATE_BYTES of each format's own bytes, at least MIN_CALLS copies
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in map(int, args.ms.split(","))}
     labels = {"pdl": ("pdl", "no pdl"), "alone": ("whole", "alone"), "fused": ("fused", "apart", "gemv"),
               "dot": ("fp16 dot", "bf16 dot"), "wgmma": ("wgmma", "fp16 dot")}[args.compare]

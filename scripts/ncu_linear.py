@@ -42,7 +42,7 @@ def main() -> int:
     if args.peer and (args.format != "nvfp4" or args.tile or args.m < 2):
         ap.error("--peer profiles the NVFP4 wgmma kernel's peer at its own tile: --format nvfp4, M >= 2, no --tile")
     n, k = SHAPES[args.shape]
-    w = formats(n, k, 1)[args.format][0]
+    w = formats(n, k, rotate_bytes=0, min_copies=1)[args.format][0]
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
     plan = None
     if args.tile:

@@ -2,7 +2,7 @@
 slices, swapped operands, weight decode) is fastest per format, shape and M. The winners go into the
 `TileTable`s of `kernels/linear.py` and `kernels/linear_nvfp4.py` by hand, with the sweep's date.
 
-Timing as `bench_kernels.py` (CUDA-graph replay over weight copies larger than L2, median), shorter runs;
+Timing as `bench_kernels.py` (CUDA-graph replay over weight copies far past the L2, median), shorter runs;
 BF16 prints cuBLAS (`torch.nn.functional.linear`) on the same copies after its grid, the target's peer; at
 M > 1 its grid holds the TMA kernel's tiles (`TMA_TILES`) and the planner's plan beside the pointer-loaded dot's.
 It sweeps the Triton kernels only: the Gluon wgmma kernel that NVFP4 runs at M = 2-32 on the LM heads on sm_90
@@ -32,7 +32,7 @@ from mtpfactory.kernels.linear_nvfp4 import TILES_NVFP4, _linear_nvfp4_native, l
 linear = importlib.import_module("mtpfactory.kernels.linear")               # the package exports the Ops
 linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_kernels import MIN_CALLS, SHAPES, copy_bandwidth, formats, weight_bytes  # noqa: E402
+from bench_kernels import SHAPES, copy_bandwidth, formats, replay_us, weight_bytes  # noqa: E402
 
 # format -> (weights key, call(x, w, plan))
 FORMATS = {
@@ -59,15 +59,8 @@ FP8_DOT_TILES = [(64, 128), (64, 256), (128, 64), (128, 128)]
 
 
 def time_us(calls: list, rep_ms: int = 40) -> float:
-    from triton.testing import do_bench
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    return do_bench(g.replay, warmup=5, rep=rep_ms, return_mode="median") * 1e3 / len(calls)
+    """One call's time: `bench_kernels.replay_us` over a graph of the calls, shorter."""
+    return replay_us(calls, 5, rep_ms) / len(calls)
 
 
 def main() -> int:
@@ -85,8 +78,7 @@ def main() -> int:
     out = open(args.json, "a")
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
-        copies = max(MIN_CALLS, -(-512 * 2**20 // (n * k * 2)))
-        w = formats(n, k, copies)
+        w = formats(n, k)   # bench_kernels.formats: ROTATE_BYTES of each format's own bytes, at least MIN_CALLS copies
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             for fname in args.formats.split(","):
