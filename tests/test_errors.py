@@ -214,6 +214,28 @@ def test_non_finite_expert_weight_is_named(fused):
     refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}=", "NaN/Inf")
 
 
+def moe_weights(**changes) -> dict[str, torch.Tensor]:
+    return qwen_mtp_weights(mtpfactory.compose("+head=bf16_moe").model, "moe", 0) | changes
+
+
+def test_weights_without_mtp_tensors_say_the_export_dropped_them():
+    cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
+    w = {n: t for n, t in moe_weights().items() if not n.startswith("mtp.")}
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), "holds no mtp.* tensors (2 tensors",
+            "dropped the MTP layer", "use a checkpoint that keeps it")
+
+
+@pytest.mark.parametrize("prefix", ["model.mtp.", "model.language_model.mtp."])
+def test_mtp_layer_under_another_prefix_loads_the_same(prefix):
+    cfg = mtpfactory.compose("+head=dense", *CPU)
+    w = dense_weights()
+    moved = {(prefix + n[4:] if n.startswith("mtp.") else n): t for n, t in w.items()}
+    tokens, hidden = rows(3)
+    a, b = (mtpfactory.build_head(cfg, x).step(torch.arange(3), tokens, hidden, torch.zeros(3, dtype=torch.long))[0]
+            for x in (w, moved))
+    assert torch.equal(a, b)
+
+
 # --- calls on a head that holds a sequence: refused, and nothing changes ----------------------------------
 def _step(seq_ids, tokens=None, hidden=None, positions=None):
     t, h = rows(len(seq_ids), 2)

@@ -27,6 +27,7 @@ from mtpfactory.components.lm_head import LMHead
 from mtpfactory.errors import ConfigError, WeightsError
 from mtpfactory.heads.base import DraftHead, PrefillScratch
 from mtpfactory.heads.spec import HeadBuilder
+from mtpfactory.weights.source import MTP_PREFIXES
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,10 @@ def check_config(cfg: DictConfig, form: str) -> None:
 def check_ffn_form(ctx: BuildContext, form: str) -> None:
     """A head has exactly one FFN form; refuse weights that carry the other (DESIGN 2.2)."""
     w, name = ctx.weights, ctx.cfg.head.name
+    if not w.mtp_names():
+        raise WeightsError("weights", w.origin, f"holds no mtp.* tensors ({len(w)} tensors; none under "
+                           f"{', '.join(MTP_PREFIXES)}): this export dropped the MTP layer",
+                           f"use a checkpoint that keeps it (head {name} builds from the MTP layer)")
     dense = w.has(LAYER + "mlp.gate_proj.weight")
     moe = w.has(LAYER + "mlp.gate.weight")
     fp8 = w.has(LAYER + "mlp.experts.0.gate_proj.weight_scale_inv")

@@ -10,8 +10,10 @@ import torch
 
 from mtpfactory.errors import WeightsError
 
-# Names the multimodal releases put under `model.language_model.` (DESIGN 2.1).
-_ALT_PREFIXES = (("model.", "model.language_model."),)
+# Other spellings of a name: the multimodal releases put the text model under `model.language_model.`, and
+# some Qwen3.5 exports put the MTP layer under `model.mtp.` or `model.language_model.mtp.` (DESIGN 2.1).
+_ALT_PREFIXES = (("model.", ("model.language_model.",)), ("mtp.", ("model.mtp.", "model.language_model.mtp.")))
+MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.")
 
 
 class TensorSource:
@@ -24,13 +26,22 @@ class TensorSource:
     def _resolve(self, name: str) -> str | None:
         if name in self._tensors:
             return name
-        for plain, alt in _ALT_PREFIXES:
-            if name.startswith(plain) and alt + name[len(plain):] in self._tensors:
-                return alt + name[len(plain):]
+        for plain, alts in _ALT_PREFIXES:
+            if name.startswith(plain):
+                for alt in alts:
+                    if alt + name[len(plain):] in self._tensors:
+                        return alt + name[len(plain):]
         return None
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
     def has(self, name: str) -> bool:
         return self._resolve(name) is not None
+
+    def mtp_names(self) -> list[str]:
+        """The checkpoint's names under any spelling of the MTP prefix."""
+        return [k for k in self._tensors if k.startswith(MTP_PREFIXES)]
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The tensor `name`, checked against `shape` and for NaN/Inf, converted to dtype and device."""
