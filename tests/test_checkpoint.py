@@ -45,22 +45,15 @@ def test_checkpoint_directory_equals_the_mapping(tmp_path, sharded):
     assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[2])
 
 
-def test_each_tensor_is_read_from_disk_once(tmp_path, monkeypatch):
+def test_each_tensor_is_read_from_disk_once_through_one_open_handle(tmp_path, monkeypatch):
     cfg = mtpfactory.compose("+head=bf16_moe", "runtime.dtype=float32", "runtime.device=cpu")
-    save_file({n: t.contiguous() for n, t in qwen_mtp_weights(cfg.model, "moe", seed=3).items()},
-              tmp_path / "model.safetensors")
-    reads = Counter()
+    _save_sharded({n: t.contiguous() for n, t in qwen_mtp_weights(cfg.model, "moe", seed=3).items()}, tmp_path, 2)
+    reads, opens = Counter(), Counter()
 
     class CountingOpen:
-        def __init__(self, *args, **kwargs):
-            self.file = safe_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.st = self.file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.file.__exit__(*exc)
+        def __init__(self, file, **kwargs):
+            opens[file.name] += 1
+            self.st = safe_open(file, **kwargs)
 
         def keys(self):
             return self.st.keys()
@@ -72,6 +65,8 @@ def test_each_tensor_is_read_from_disk_once(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "safe_open", CountingOpen)
     mtpfactory.build_head(cfg, tmp_path)
     assert reads and set(reads.values()) == {1}, reads.most_common(3)
+    # opening a file parses its whole header: once per shard, not once per tensor
+    assert opens == {"model-00001-of-00002.safetensors": 1, "model-00002-of-00002.safetensors": 1}, opens
 
 
 def test_a_directory_without_safetensors_is_refused(tmp_path):
@@ -87,3 +82,41 @@ def test_weights_checkpoint_without_a_path_says_to_add_one():
     with pytest.raises(ConfigError) as e:
         mtpfactory.build_head(cfg)
     assert (e.value.field, e.value.value) == ("weights.path", None) and "add weights.path=DIR" in str(e.value)
+
+
+def _moe_cfg(*overrides):
+    return mtpfactory.compose("+head=bf16_moe", "runtime.dtype=float32", "runtime.device=cpu", *overrides)
+
+
+def test_an_index_naming_a_missing_shard_names_the_file_and_its_tensor_count(tmp_path):
+    cfg = _moe_cfg()
+    tensors = qwen_mtp_weights(cfg.model, "moe", seed=3, fused_experts=True)
+    _save_sharded(tensors, tmp_path, 2)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    lost = len(sorted(tensors)[1::2])
+    with pytest.raises(WeightsError, match=f"model-00002-of-00002.safetensors \\({lost} tensors\\)") as e:
+        mtpfactory.build_head(cfg, tmp_path)
+    assert "download the missing shards" in str(e.value)
+
+
+def test_a_stale_index_names_the_tensor_and_its_shard(tmp_path):
+    cfg = _moe_cfg()
+    tensors = qwen_mtp_weights(cfg.model, "moe", seed=3, fused_experts=True)
+    save_file({n: t.contiguous() for n, t in tensors.items() if n != "mtp.fc.weight"}, tmp_path / "a.safetensors")
+    weight_map = dict.fromkeys(tensors, "a.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(WeightsError) as e:
+        mtpfactory.build_head(cfg, tmp_path)
+    assert (e.value.field, e.value.value) == ("mtp.fc.weight", "a.safetensors") and "stale" in str(e.value)
+
+
+def test_a_safetensors_file_the_index_does_not_list_is_named_in_a_warning(tmp_path, caplog):
+    cfg = _moe_cfg()
+    tensors = qwen_mtp_weights(cfg.model, "moe", seed=3, fused_experts=True)
+    trunk = {n: t for n, t in tensors.items() if not n.startswith("mtp.")}
+    _save_sharded(trunk, tmp_path, 1)
+    save_file({n: t.contiguous() for n, t in tensors.items() if n.startswith("mtp.")}, tmp_path / "mtp.safetensors")
+    with pytest.raises(WeightsError, match="holds no mtp.\\* tensors \\(2 tensors") as e:
+        mtpfactory.build_head(cfg, tmp_path)
+    assert "dropped the MTP layer" in str(e.value)
+    assert any("mtp.safetensors not listed in model.safetensors.index.json" in r.message for r in caplog.records)

@@ -8,14 +8,17 @@ MTP layer, the embedding and the LM head leave the disk.
 from __future__ import annotations
 
 import json
+import logging
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from mtpfactory.errors import WeightsError
 
+log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
 
 
@@ -25,21 +28,47 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         if not self.path.is_dir():
             raise WeightsError("weights.path", str(path), "not a directory",
                                "pass the checkpoint's directory (the one holding *.safetensors)")
+        # One open handle per file for the checkpoint's lifetime: opening parses the whole header (16 ms at
+        # 20k tensors), and a per-expert MTP layer reads thousands of tensors.
+        self._open: dict[Path, safe_open] = {}
         index = self.path / INDEX
         if index.exists():
             self._where = {name: self.path / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+            self._check_index()
         else:
             self._where = {}
             for f in sorted(self.path.glob("*.safetensors")):
-                with safe_open(f, framework="pt") as st:
-                    self._where |= {name: f for name in st.keys()}
+                self._where |= {name: f for name in self._handle(f).keys()}
         if not self._where:
             raise WeightsError("weights.path", str(path), f"holds no *.safetensors files (and no {INDEX})",
                                "point at a Hugging Face checkpoint directory")
 
+    def _check_index(self) -> None:
+        """Every shard the index names must exist; a *.safetensors file it does not name is never read."""
+        per_file = Counter(self._where.values())
+        missing = sorted(f for f in per_file if not f.exists())
+        if missing:
+            listed = ", ".join(f"{f.name} ({per_file[f]} tensors)" for f in missing)
+            raise WeightsError(INDEX, str(self.path), f"names shard files that are not in the directory: {listed}",
+                               "download the missing shards, or re-export the checkpoint")
+        unlisted = sorted(f.name for f in self.path.glob("*.safetensors") if f not in per_file)
+        if unlisted:
+            log.warning("%s: %s not listed in %s, so never read; add their tensors to the index's weight_map if "
+                        "the head needs them", self.path, ", ".join(unlisted), INDEX)
+
+    def _handle(self, file: Path):
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="pt")
+        return self._open[file]
+
     def __getitem__(self, name: str) -> torch.Tensor:
-        with safe_open(self._where[name], framework="pt") as st:
-            return st.get_tensor(name)
+        file = self._where[name]
+        try:
+            return self._handle(file).get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise WeightsError(name, file.name, f"could not be read from {file}: {e}",
+                               f"re-download {file.name}, or re-export the checkpoint (a stale {INDEX} can name a "
+                               "tensor its shard lacks)") from e
 
     def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor to find out
         return name in self._where
