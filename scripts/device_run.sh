@@ -4,12 +4,20 @@
 #   here:   bash ../shared/tools/gpu-wheels.sh --peers      (puts hydra, omegaconf, antlr, gemlite in .whl/)
 #   device: run(command="bash scripts/device_run.sh", carry=[".whl"])
 # GPU_TESTS=0 or BENCH=0 skips a part; GPU_TEST_ARGS picks tests (default: all of tests/; GPU_TEST_S, 420 s, bounds
-# them: 483 took over 280 s on 2026-12-04); BENCH_ARGS passes
-# options to scripts/bench_kernels.py; TUNE_ARGS, when set, runs scripts/tune_gemv.py with them first; CLOCK_ARGS,
-# when set, runs scripts/clock_watch.py with them last (its nvidia-smi log goes to $OUT/clocks.csv); SWEEP_ARGS,
-# when set, runs scripts/sweep_wgmma.py with them after the benchmark.
+# them: 483 took over 280 s on 2026-12-04); BENCH_ARGS passes options to scripts/bench_kernels.py (BENCH_S, 420 s);
+# TUNE_ARGS, when set, runs scripts/tune_gemv.py with them first (TUNE_S, 420 s); SWEEP_ARGS, when set, runs
+# scripts/sweep_wgmma.py with them after the benchmark (SWEEP_S, 300 s); CLOCK_ARGS, when set, runs
+# scripts/clock_watch.py with them last (CLOCK_S, 240 s; its nvidia-smi log goes to $OUT/clocks.csv).
+# A device call ends at 600 s, the install included, so no stage runs past CALL_S (570 s) from the script's start:
+# a stage gets the lesser of its own limit and what is left. The defaults (the whole GPU suite, then every shape's
+# benchmark) do not both fit in one call: run the tests alone (BENCH=0), then the benchmark alone (GPU_TESTS=0,
+# or one BENCH_ARGS='--shapes ...' a call), keeping the enabled stages' limits under about 540 s together.
+# Exit status: the worst of the stages' (0 when every stage passed). A stage cut at its limit exits 3 here, not
+# timeout's 124, which the device tool reads as the whole call timing out; one killed by SIGKILL (137, e.g. out
+# of memory) exits 9; each is named on stderr.
 set -uo pipefail
 OUT=${OUT:-/tmp/mtpf-out}
+CALL_S=${CALL_S:-570}
 mkdir -p "$OUT"
 # omegaconf 2.3 loads only antlr4-python3-runtime 4.9.x ("Could not deserialize ATN with version 3 (expected 4)"
 # otherwise); gpu-wheels.sh copies whatever version the machine that runs it has (2026-12-03: 4.13.2)
@@ -23,24 +31,68 @@ rm -rf /tmp/site &&   # a warm machine keeps /tmp/site, and pip --target does no
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+
+limits=0   # the enabled stages' limits together
+[[ "${GPU_TESTS:-1}" == 1 ]] && limits=$((limits + ${GPU_TEST_S:-420}))
+[[ -n "${TUNE_ARGS:-}" ]] && limits=$((limits + ${TUNE_S:-420}))
+[[ "${BENCH:-1}" == 1 ]] && limits=$((limits + ${BENCH_S:-420}))
+[[ -n "${SWEEP_ARGS:-}" ]] && limits=$((limits + ${SWEEP_S:-300}))
+[[ -n "${CLOCK_ARGS:-}" ]] && limits=$((limits + ${CLOCK_S:-240}))
+if (( limits + SECONDS > CALL_S )); then
+  echo "device_run.sh: the stages' limits add up to ${limits} s after ${SECONDS} s of install, past CALL_S" \
+       "(${CALL_S} s): the last stages will be cut; split the call (see the header)" >&2
+fi
+
 rc=0
+# stage NAME LIMIT_S LOG CMD...: CMD under timeout, its output to LOG (and to the screen, but for the tests: their
+# log's tail); keeps the worst exit status in rc, an internal timeout as 3 and a SIGKILL as 9
+stage() {
+  local name=$1 limit=$2 log=$3 status
+  shift 3
+  if (( CALL_S - SECONDS < limit )); then
+    limit=$((CALL_S - SECONDS))
+  fi
+  if (( limit <= 0 )); then
+    echo "device_run.sh: $name not run: no time left before CALL_S (${CALL_S} s) (exit 3)" >&2
+    (( rc > 3 )) || rc=3
+    return
+  fi
+  if [[ $name == tests ]]; then
+    timeout "$limit" "$@" > "$log" 2>&1
+    status=$?
+    tail -n 25 "$log"
+  else
+    timeout "$limit" "$@" 2>&1 | tee "$log"
+    status=${PIPESTATUS[0]}
+  fi
+  case $status in
+    0) ;;
+    124) echo "device_run.sh: $name ran past its ${limit} s limit (exit 3)" >&2; status=3 ;;
+    137) echo "device_run.sh: $name was killed by SIGKILL, out of memory? (exit 9)" >&2; status=9 ;;
+    *) echo "device_run.sh: $name exited $status" >&2 ;;
+  esac
+  if (( status > rc )); then
+    rc=$status
+  fi
+}
+
 if [[ "${GPU_TESTS:-1}" == 1 ]]; then
   # -P: keep the checkout's mtpfactory/ off sys.path, so the installed package (with mtpfactory.kernels) is used
-  timeout "${GPU_TEST_S:-420}" python3 -P -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-tests} > "$OUT/gpu_tests.log" 2>&1
-  rc=$?
-  tail -n 25 "$OUT/gpu_tests.log"
+  stage tests "${GPU_TEST_S:-420}" "$OUT/gpu_tests.log" \
+    python3 -P -m pytest -m gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-tests}
 fi
 if [[ -n "${TUNE_ARGS:-}" ]]; then
-  timeout "${TUNE_S:-420}" python3 -P scripts/tune_gemv.py --json "$OUT/tune.json" $TUNE_ARGS 2>&1 | tee "$OUT/tune.log"
+  stage tune_gemv "${TUNE_S:-420}" "$OUT/tune.log" python3 -P scripts/tune_gemv.py --json "$OUT/tune.json" $TUNE_ARGS
 fi
 if [[ "${BENCH:-1}" == 1 ]]; then
-  timeout "${BENCH_S:-420}" python3 -P scripts/bench_kernels.py --json "$OUT/gemv.json" ${BENCH_ARGS:-} 2>&1 |
-    tee "$OUT/bench.log"
+  stage bench_kernels "${BENCH_S:-420}" "$OUT/bench.log" \
+    python3 -P scripts/bench_kernels.py --json "$OUT/gemv.json" ${BENCH_ARGS:-}
 fi
 if [[ -n "${SWEEP_ARGS:-}" ]]; then
-  timeout "${SWEEP_S:-300}" python3 -P scripts/sweep_wgmma.py $SWEEP_ARGS 2>&1 | tee "$OUT/sweep.log"
+  stage sweep_wgmma "${SWEEP_S:-300}" "$OUT/sweep.log" python3 -P scripts/sweep_wgmma.py $SWEEP_ARGS
 fi
 if [[ -n "${CLOCK_ARGS:-}" ]]; then
-  timeout "${CLOCK_S:-240}" python3 -P scripts/clock_watch.py --csv "$OUT/clocks.csv" $CLOCK_ARGS 2>&1 | tee "$OUT/clock.log"
+  stage clock_watch "${CLOCK_S:-240}" "$OUT/clock.log" \
+    python3 -P scripts/clock_watch.py --csv "$OUT/clocks.csv" $CLOCK_ARGS
 fi
 exit $rc
