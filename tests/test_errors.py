@@ -236,6 +236,31 @@ def test_mtp_layer_under_another_prefix_loads_the_same(prefix):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32])
+def test_integer_weight_is_refused(dtype):
+    cfg = mtpfactory.compose("+head=dense", *CPU)
+    name = "mtp.layers.0.mlp.down_proj.weight"
+    w = dense_weights(**{name: torch.ones(64, 96, dtype=dtype)})
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}='{dtype}'", "integers")
+
+
+def test_nvfp4_modelopt_weight_says_what_it_is():
+    cfg = mtpfactory.compose("+head=dense", *CPU)
+    name = "mtp.layers.0.self_attn.q_proj.weight"  # [128, 64] as NVFP4: codes [128, 32], scales [128, 4]
+    w = dense_weights(**{name: torch.zeros(128, 32, dtype=torch.uint8), name + "_scale": torch.ones(128, 4),
+                         name + "_scale_2": torch.tensor(1.0)})
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}='torch.uint8'", "NVFP4 ModelOpt",
+            "quant=nvfp4")
+
+
+def test_a_value_past_the_runtime_dtype_is_refused():
+    cfg = mtpfactory.compose("+head=dense", "runtime.dtype=float16", "runtime.device=cpu")
+    name = "model.embed_tokens.weight"
+    w = dense_weights(**{name: with_value(dense_weights()[name].float(), 1e6)})
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}='1 values overflow torch.float16'",
+            "finite in the runtime dtype", "runtime.dtype=bfloat16")
+
+
 # --- calls on a head that holds a sequence: refused, and nothing changes ----------------------------------
 def _step(seq_ids, tokens=None, hidden=None, positions=None):
     t, h = rows(len(seq_ids), 2)

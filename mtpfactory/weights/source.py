@@ -1,6 +1,6 @@
 """Checked access to checkpoint-named tensors: every tensor a builder asks for must be there, with the
-expected shape and finite values, or the build refuses naming it (a tensor that silently fails to load
-collapses draft acceptance to ~0)."""
+expected shape, a float dtype and finite values, or the build refuses naming it (a tensor that silently
+fails to load collapses draft acceptance to ~0)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.")
 
 
 class TensorSource:
-    """A mapping of checkpoint names to tensors, read through `take` (shape- and finiteness-checked)."""
+    """A mapping of checkpoint names to tensors, read through `take` (dtype-, shape- and finiteness-checked)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], origin: str = "the weights") -> None:
         self._tensors = tensors
@@ -44,7 +44,7 @@ class TensorSource:
         return [k for k in self._tensors if k.startswith(MTP_PREFIXES)]
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The tensor `name`, checked against `shape` and for NaN/Inf, converted to dtype and device."""
+        """The tensor `name`, checked (a float dtype, `shape`, finite in `dtype`), converted to dtype and device."""
         key = self._resolve(name)
         if key is None:
             near = sorted(k for k in self._tensors if k.rsplit(".", 2)[0] == name.rsplit(".", 2)[0])[:6]
@@ -52,16 +52,34 @@ class TensorSource:
                                "the checkpoint must carry it" + (f" (found beside it: {', '.join(near)})"
                                                                    if near else ""))
         t = self._tensors[key]
+        self._check_format(key, t)
         if tuple(t.shape) != tuple(shape):
             raise WeightsError(f"{key}.shape", tuple(t.shape), f"expected {tuple(shape)}",
                                "check that the model preset matches the checkpoint's config.json")
+        out = t.to(device=device, dtype=dtype).contiguous()
+        # Checked after the conversion: a finite value past the runtime dtype's range becomes inf there.
+        if not bool(torch.isfinite(out).all()):
+            if bad := int((~torch.isfinite(t)).sum()):
+                raise WeightsError(key, f"{bad} NaN/Inf values", "weights must be finite",
+                                   "the checkpoint is damaged: re-download or re-export it")
+            raise WeightsError(key, f"{int((~torch.isfinite(out)).sum())} values overflow {dtype}",
+                               f"weights must be finite in the runtime dtype (|x| <= {torch.finfo(dtype).max:.4g})",
+                               "use runtime.dtype=bfloat16 or float32")
+        return out
+
+    def _check_format(self, key: str, t: torch.Tensor) -> None:
+        """Refuse a tensor stored in a format these heads do not read: integer or FP8 codes."""
+        stem = key.removesuffix(".weight")
+        if not t.is_floating_point():
+            if t.dtype == torch.uint8 and stem + ".weight_scale_2" in self._tensors:
+                raise WeightsError(key, str(t.dtype), "packed NVFP4 codes with weight_scale_2 beside them: an NVFP4 "
+                                   "ModelOpt checkpoint, which these heads do not load",
+                                   "load the BF16 checkpoint and quantize at build time with quant=nvfp4")
+            raise WeightsError(key, str(t.dtype), "stored as integers (a quantized checkpoint) where this head reads "
+                               "floating-point weights", "use the BF16 release of the checkpoint")
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise WeightsError(key, str(t.dtype), "stored FP8 (a block-quantized checkpoint) where this head reads "
                                "unquantized weights", "use the BF16 release of the checkpoint")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise WeightsError(key, f"{int((~torch.isfinite(t)).sum())} NaN/Inf values",
-                               "weights must be finite", "the checkpoint is damaged: re-download or re-export it")
-        return t.to(device=device, dtype=dtype).contiguous()
 
     def take_experts(self, prefix: str, num_experts: int, inter: int, hidden: int, dtype: torch.dtype,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
