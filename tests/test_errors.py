@@ -218,6 +218,16 @@ def moe_weights(**changes) -> dict[str, torch.Tensor]:
     return qwen_mtp_weights(mtpfactory.compose("+head=bf16_moe").model, "moe", 0) | changes
 
 
+def test_every_missing_tensor_is_named_at_once_and_the_fused_experts_are_offered():
+    cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
+    w = moe_weights()
+    gone = ["mtp.layers.0.self_attn.k_norm.weight", "mtp.layers.0.mlp.experts.5.up_proj.weight", "mtp.norm.weight"]
+    for name in gone:
+        del w[name]
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{gone[0]}=None", "3 missing in all", *gone,
+            "fused experts.gate_up_proj")
+
+
 def test_weights_without_mtp_tensors_say_the_export_dropped_them():
     cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
     w = {n: t for n, t in moe_weights().items() if not n.startswith("mtp.")}
@@ -259,6 +269,16 @@ def test_a_value_past_the_runtime_dtype_is_refused():
     w = dense_weights(**{name: with_value(dense_weights()[name].float(), 1e6)})
     refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}='1 values overflow torch.float16'",
             "finite in the runtime dtype", "runtime.dtype=bfloat16")
+
+
+def test_a_failed_build_logs_no_build_line(caplog):
+    caplog.set_level("INFO")
+    cfg = mtpfactory.compose("+head=dense", *CPU)
+    w = dense_weights(**{"mtp.norm.weight": with_value(dense_weights()["mtp.norm.weight"], float("nan"))})
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), "mtp.norm.weight=")
+    assert not [r for r in caplog.records if "MTP head" in r.message]
+    mtpfactory.build_head(cfg, dense_weights())
+    assert [r for r in caplog.records if r.message.startswith("MTP head dense")]
 
 
 # --- calls on a head that holds a sequence: refused, and nothing changes ----------------------------------

@@ -207,8 +207,7 @@ def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
                f"ffn={cfg.head.ffn}, {experts} experts, vocab={lm_head.draft_vocab}/{m.vocab_size} "
                f"(LM head {ctx.fmt('lm_head')} {lm_head.nbytes / 2**20:.1f} MB), kv={kv}, "
                f"pool={spec.num_blocks} blocks")
-    log.info(summary)
-    return QwenMTPHead(
+    head = QwenMTPHead(
         embed=ctx.tensor("model.embed_tokens.weight", m.vocab_size, h),
         norm_embedding=norm(ctx, MTP + "pre_fc_norm_embedding.weight", h, eps),
         norm_hidden=norm(ctx, MTP + "pre_fc_norm_hidden.weight", h, eps),
@@ -218,6 +217,9 @@ def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
         norm=norm(ctx, MTP + "norm.weight", h, eps), lm_head=lm_head,
         cache=cache, hidden_size=h, vocab_size=m.vocab_size, dtype=ctx.dtype, device=ctx.device,
         backend=cfg.runtime.backend, prefill_scratch=scratch, summary=summary)
+    ctx.weights.finish()
+    log.info(summary)
+    return head
 
 
 dense = HeadBuilder(ffn_form="dense", check=lambda cfg: check_config(cfg, "dense"),

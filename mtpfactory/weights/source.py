@@ -1,6 +1,6 @@
 """Checked access to checkpoint-named tensors: every tensor a builder asks for must be there, with the
 expected shape, a float dtype and finite values, or the build refuses naming it (a tensor that silently
-fails to load collapses draft acceptance to ~0)."""
+fails to load collapses draft acceptance to ~0). A build names every missing tensor at once."""
 
 from __future__ import annotations
 
@@ -14,14 +14,24 @@ from mtpfactory.errors import WeightsError
 # some Qwen3.5 exports put the MTP layer under `model.mtp.` or `model.language_model.mtp.` (DESIGN 2.1).
 _ALT_PREFIXES = (("model.", ("model.language_model.",)), ("mtp.", ("model.mtp.", "model.language_model.mtp.")))
 MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.")
+SHOWN = 8  # names listed in a message before "and N more"
+
+
+def _listed(names: list[str]) -> str:
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
 
 
 class TensorSource:
-    """A mapping of checkpoint names to tensors, read through `take` (dtype-, shape- and finiteness-checked)."""
+    """A mapping of checkpoint names to tensors, read through `take` (dtype-, shape- and finiteness-checked).
+
+    A missing tensor does not stop the build at once: `take` records it and hands out zeros of the expected
+    shape, and `finish` refuses naming every missing tensor, so a user fixes a checkpoint in one round."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], origin: str = "the weights") -> None:
         self._tensors = tensors
         self.origin = origin
+        self.missing: list[str] = []
 
     def _resolve(self, name: str) -> str | None:
         if name in self._tensors:
@@ -44,13 +54,12 @@ class TensorSource:
         return [k for k in self._tensors if k.startswith(MTP_PREFIXES)]
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The tensor `name`, checked (a float dtype, `shape`, finite in `dtype`), converted to dtype and device."""
+        """The tensor `name`, checked (a float dtype, `shape`, finite in `dtype`), converted to dtype and device;
+        zeros, recorded for `finish`, when it is missing."""
         key = self._resolve(name)
         if key is None:
-            near = sorted(k for k in self._tensors if k.rsplit(".", 2)[0] == name.rsplit(".", 2)[0])[:6]
-            raise WeightsError(name, None, f"missing from {self.origin}",
-                               "the checkpoint must carry it" + (f" (found beside it: {', '.join(near)})"
-                                                                   if near else ""))
+            self.missing.append(name)
+            return torch.zeros(shape, dtype=dtype, device=device)
         t = self._tensors[key]
         self._check_format(key, t)
         if tuple(t.shape) != tuple(shape):
@@ -97,3 +106,17 @@ class TensorSource:
             gate_up[i, inter:] = self.take(p + "up_proj.weight", (inter, hidden), dtype, device)
             down[i] = self.take(p + "down_proj.weight", (hidden, inter), dtype, device)
         return gate_up, down
+
+    def finish(self) -> None:
+        """End of a build: refuse naming every missing tensor."""
+        if self.missing:
+            first = self.missing[0]
+            near = sorted(k for k in self._tensors if k.rsplit(".", 2)[0] == first.rsplit(".", 2)[0])[:6]
+            fix = "the checkpoint must carry " + ("them" if len(self.missing) > 1 else "it")
+            if any(".experts." in n for n in self.missing):
+                fix += (" (experts: per expert {i}.{gate,up,down}_proj.weight, or fused experts.gate_up_proj"
+                        " [E, 2I, H] and experts.down_proj [E, H, I])")
+            if near:
+                fix += f"; found beside {first}: {', '.join(near)}"
+            also = f"; {len(self.missing)} missing in all: {_listed(self.missing)}" if len(self.missing) > 1 else ""
+            raise WeightsError(first, None, f"missing from {self.origin}{also}", fix)
