@@ -228,6 +228,38 @@ def test_every_missing_tensor_is_named_at_once_and_the_fused_experts_are_offered
             "fused experts.gate_up_proj")
 
 
+@pytest.mark.parametrize("extra", ["mtp.layers.0.self_attn.q_proj.bias", "mtp.layers.0.self_attn.o_proj.bias",
+                                   "mtp.layers.0.mlp.shared_expert.down_proj.weight_scale_inv",
+                                   "mtp.fc.input_scale"])
+def test_a_bias_or_scale_beside_a_plain_weight_is_refused(extra):
+    cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
+    w = moe_weights(**{extra: torch.ones(1)})
+    weight = extra.rsplit(".", 1)[0] + ".weight"
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{extra}=(1,): beside {weight}", "plain weight")
+
+
+def test_unread_mtp_tensors_are_named_in_a_warning(caplog):
+    cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
+    stray = {"mtp.layers.1.fc.weight": torch.zeros(64, 128), "mtp.layers.0.mlp.gate.e_score_correction_bias":
+             torch.zeros(8), "model.language_model.mtp.extra.weight": torch.zeros(2)}
+    mtpfactory.build_head(cfg, moe_weights(**stray, **{"model.layers.3.mlp.gate.weight": torch.zeros(2)}))
+    unread = [r.message for r in caplog.records if "never read" in r.message]
+    assert len(unread) == 1 and "3 MTP tensors" in unread[0] and all(n in unread[0] for n in stray), unread
+    caplog.clear()
+    mtpfactory.build_head(cfg, moe_weights())  # a complete checkpoint reads every MTP tensor: no warning
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_both_expert_layouts_say_which_one_is_loaded(caplog):
+    cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
+    fused = qwen_mtp_weights(cfg.model, "moe", 1, fused_experts=True)
+    both = moe_weights(**{n: t for n, t in fused.items() if ".experts." in n})
+    head = mtpfactory.build_head(cfg, both)
+    assert torch.equal(head.ffn.experts.w_gate_up, fused["mtp.layers.0.mlp.experts.gate_up_proj"].float())
+    assert any("loading the fused ones" in r.message for r in caplog.records)
+    assert any("24 MTP tensors were never read" in r.message for r in caplog.records)
+
+
 def test_weights_without_mtp_tensors_say_the_export_dropped_them():
     cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
     w = {n: t for n, t in moe_weights().items() if not n.startswith("mtp.")}

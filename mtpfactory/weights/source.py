@@ -1,19 +1,26 @@
 """Checked access to checkpoint-named tensors: every tensor a builder asks for must be there, with the
 expected shape, a float dtype and finite values, or the build refuses naming it (a tensor that silently
-fails to load collapses draft acceptance to ~0). A build names every missing tensor at once."""
+fails to load collapses draft acceptance to ~0). The source also remembers what it handed out, so a build
+can name every missing tensor at once and warn about MTP tensors it never read."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
 
 from mtpfactory.errors import WeightsError
 
+log = logging.getLogger(__name__)
+
 # Other spellings of a name: the multimodal releases put the text model under `model.language_model.`, and
 # some Qwen3.5 exports put the MTP layer under `model.mtp.` or `model.language_model.mtp.` (DESIGN 2.1).
 _ALT_PREFIXES = (("model.", ("model.language_model.",)), ("mtp.", ("model.mtp.", "model.language_model.mtp.")))
 MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.")
+# Tensors beside `<proj>.weight` that change what the projection computes; a head that reads the weight
+# as a plain matrix would compute something else than the checkpoint means.
+_MODIFIERS = (".bias", ".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".input_scale")
 SHOWN = 8  # names listed in a message before "and N more"
 
 
@@ -31,6 +38,7 @@ class TensorSource:
     def __init__(self, tensors: Mapping[str, torch.Tensor], origin: str = "the weights") -> None:
         self._tensors = tensors
         self.origin = origin
+        self.read: set[str] = set()
         self.missing: list[str] = []
 
     def _resolve(self, name: str) -> str | None:
@@ -74,10 +82,12 @@ class TensorSource:
             raise WeightsError(key, f"{int((~torch.isfinite(out)).sum())} values overflow {dtype}",
                                f"weights must be finite in the runtime dtype (|x| <= {torch.finfo(dtype).max:.4g})",
                                "use runtime.dtype=bfloat16 or float32")
+        self.read.add(key)
         return out
 
     def _check_format(self, key: str, t: torch.Tensor) -> None:
-        """Refuse a tensor stored in a format these heads do not read: integer or FP8 codes."""
+        """Refuse a tensor stored in a format these heads do not read: integer or FP8 codes, or a weight
+        that a bias or scale beside it modifies."""
         stem = key.removesuffix(".weight")
         if not t.is_floating_point():
             if t.dtype == torch.uint8 and stem + ".weight_scale_2" in self._tensors:
@@ -89,12 +99,23 @@ class TensorSource:
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise WeightsError(key, str(t.dtype), "stored FP8 (a block-quantized checkpoint) where this head reads "
                                "unquantized weights", "use the BF16 release of the checkpoint")
+        if key.endswith(".weight"):
+            beside = [stem + m for m in _MODIFIERS if stem + m in self._tensors]
+            if beside:
+                also = f" (and {', '.join(beside[1:])})" if len(beside) > 1 else ""
+                raise WeightsError(beside[0], tuple(self._tensors[beside[0]].shape),
+                                   f"beside {key}{also}, which this head reads as a plain weight (no bias, no scales): "
+                                   "it would compute something else than the checkpoint means",
+                                   "use a checkpoint of the model this head builds (BF16, bias-free projections)")
 
     def take_experts(self, prefix: str, num_experts: int, inter: int, hidden: int, dtype: torch.dtype,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert weights as (gate_up [E, 2I, H] with gate rows first, down [E, H, I]) from either layout:
         fused `{prefix}gate_up_proj` / `{prefix}down_proj`, or per expert `{prefix}{i}.{gate,up,down}_proj.weight`."""
         if self.has(prefix + "gate_up_proj"):
+            if self.has(prefix + "0.gate_proj.weight"):
+                log.warning("%s carries the experts both fused (%sgate_up_proj, down_proj) and per expert "
+                            "(%s{i}.{gate,up,down}_proj.weight): loading the fused ones", self.origin, prefix, prefix)
             gate_up = self.take(prefix + "gate_up_proj", (num_experts, 2 * inter, hidden), dtype, device)
             down = self.take(prefix + "down_proj", (num_experts, hidden, inter), dtype, device)
             return gate_up, down
@@ -108,7 +129,7 @@ class TensorSource:
         return gate_up, down
 
     def finish(self) -> None:
-        """End of a build: refuse naming every missing tensor."""
+        """End of a build: refuse naming every missing tensor; warn about MTP tensors never read."""
         if self.missing:
             first = self.missing[0]
             near = sorted(k for k in self._tensors if k.rsplit(".", 2)[0] == first.rsplit(".", 2)[0])[:6]
@@ -120,3 +141,7 @@ class TensorSource:
                 fix += f"; found beside {first}: {', '.join(near)}"
             also = f"; {len(self.missing)} missing in all: {_listed(self.missing)}" if len(self.missing) > 1 else ""
             raise WeightsError(first, None, f"missing from {self.origin}{also}", fix)
+        unread = sorted(k for k in self.mtp_names() if k not in self.read)
+        if unread:
+            log.warning("%s: %d MTP tensors were never read, so the head ignores them: %s", self.origin, len(unread),
+                        _listed(unread))
