@@ -268,6 +268,8 @@ def main() -> int:
     ap.add_argument("--no-gemlite", dest="gemlite", action="store_false",
                     help="leave gemlite's peers out (building its layers over every weight copy takes a while)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1")
     bw = copy_bandwidth()
     bw_net = copy_bandwidth_net() if args.net else None
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.3f} TB/s (read + write)"

@@ -89,6 +89,8 @@ def main() -> int:
     ap.add_argument("--net", action="store_true",
                     help="BF16's best and cuBLAS also without do_bench's fixed cost a replay (bench_kernels --net)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1")
     t_end = time.monotonic() + args.budget_s
     bw = copy_bandwidth()
     bw_net = copy_bandwidth_net() if args.net else None
