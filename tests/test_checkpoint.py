@@ -120,3 +120,26 @@ def test_a_safetensors_file_the_index_does_not_list_is_named_in_a_warning(tmp_pa
         mtpfactory.build_head(cfg, tmp_path)
     assert "dropped the MTP layer" in str(e.value)
     assert any("mtp.safetensors not listed in model.safetensors.index.json" in r.message for r in caplog.records)
+
+def test_a_tied_checkpoint_directory_keeps_the_embedding_once(tmp_path):
+    cfg = _moe_cfg("model.tie_word_embeddings=true")
+    tensors = qwen_mtp_weights(cfg.model, "moe", seed=3, fused_experts=True)
+    assert "lm_head.weight" not in tensors
+    save_file({n: t.contiguous() for n, t in tensors.items()}, tmp_path / "model.safetensors")
+    head = mtpfactory.build_head(cfg, tmp_path)
+    assert head.lm_head.proj.weight.data_ptr() == head.embed.data_ptr()
+    assert torch.equal(head.embed, tensors["model.embed_tokens.weight"].float())
+    untied = _moe_cfg()
+    with pytest.raises(WeightsError, match="lm_head.weight=None") as e:
+        mtpfactory.build_head(untied, tmp_path)
+    assert "set model.tie_word_embeddings=true" in str(e.value)
+
+
+@pytest.mark.parametrize("vocab", [0, 100])
+def test_the_lm_head_shares_the_callers_tensor_unless_the_vocab_is_cut(vocab):
+    cfg = _moe_cfg(f"levers.mtp_vocab_size={vocab}")
+    tensors = {n: t.float() for n, t in qwen_mtp_weights(cfg.model, "moe", seed=3, fused_experts=True).items()}
+    weight = mtpfactory.build_head(cfg, tensors).lm_head.proj.weight
+    assert torch.equal(weight, tensors["lm_head.weight"][: vocab or None])
+    # a cut vocab is a copy of its rows, so the caller's full table can be freed
+    assert (weight.data_ptr() == tensors["lm_head.weight"].data_ptr()) == (vocab == 0)

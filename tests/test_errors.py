@@ -303,6 +303,13 @@ def test_a_value_past_the_runtime_dtype_is_refused():
             "finite in the runtime dtype", "runtime.dtype=bfloat16")
 
 
+def test_a_tied_preset_on_a_checkpoint_with_its_own_lm_head_warns(caplog):
+    cfg = mtpfactory.compose("+head=dense", *CPU, "model.tie_word_embeddings=true")
+    head = mtpfactory.build_head(cfg, dense_weights())
+    assert head.lm_head.proj.weight.data_ptr() == head.embed.data_ptr()
+    assert any("holds lm_head.weight, but model.tie_word_embeddings=true" in r.message for r in caplog.records)
+
+
 def test_a_failed_build_logs_no_build_line(caplog):
     caplog.set_level("INFO")
     cfg = mtpfactory.compose("+head=dense", *CPU)

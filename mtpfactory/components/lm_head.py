@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from mtpfactory.components.linear import Linear, make_linear
 from mtpfactory.components.norms import RMSNorm
+from mtpfactory.errors import WeightsError
+
+log = logging.getLogger(__name__)
 
 
 class LMHead(nn.Module):
@@ -37,10 +42,20 @@ def draft_vocab(vocab: int, mtp_vocab_size: int) -> int:
 
 
 def build_lm_head(ctx) -> LMHead:
-    m = ctx.model
+    m, w = ctx.model, ctx.weights
     v = draft_vocab(m.vocab_size, ctx.cfg.levers.mtp_vocab_size)
+    if m.tie_word_embeddings and w.has("lm_head.weight"):
+        log.warning("%s holds lm_head.weight, but model.tie_word_embeddings=true: the draft LM head is the "
+                    "embedding; set model.tie_word_embeddings=false if the checkpoint's config.json says so", w.origin)
+    if not m.tie_word_embeddings and not w.has("lm_head.weight") and w.has("model.embed_tokens.weight"):
+        raise WeightsError("lm_head.weight", None, f"missing from {w.origin}, and model.tie_word_embeddings=false",
+                           "if the checkpoint ties its LM head to the embedding (config.json tie_word_embeddings: "
+                           "true), set model.tie_word_embeddings=true; else the checkpoint must carry lm_head.weight")
     name = "model.embed_tokens.weight" if m.tie_word_embeddings else "lm_head.weight"
     full = ctx.tensor(name, m.vocab_size, m.hidden_size)
-    proj = make_linear(full[:v].clone(), ctx.fmt("lm_head"), ctx.dtype, name.removesuffix(".weight"),
+    # At the full vocab the head uses the tensor it was given (with tied embeddings, the embedding itself);
+    # a cut vocab is copied so that the full table can be freed.
+    weight = full if v == m.vocab_size else full[:v].clone()
+    proj = make_linear(weight, ctx.fmt("lm_head"), ctx.dtype, name.removesuffix(".weight"),
                        ctx.cfg.levers.gemv_split_work)
     return LMHead(proj, m.vocab_size)

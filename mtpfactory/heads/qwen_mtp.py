@@ -181,6 +181,15 @@ def check_ffn_form(ctx: BuildContext, form: str) -> None:
                        f"use +head={other}" if (dense or moe) else "check the checkpoint's MTP tensors")
 
 
+def _embedding(ctx: BuildContext, lm_head: LMHead) -> torch.Tensor:
+    """The embedding table [vocab, H]. With tied embeddings an unquantized full-vocab LM head holds this very
+    table: the head keeps it once (a second read from a checkpoint directory would be a second copy)."""
+    m, proj = ctx.model, lm_head.proj
+    if m.tie_word_embeddings and proj.fmt == "unq" and proj.out_features == m.vocab_size:
+        return proj.weight.data
+    return ctx.tensor("model.embed_tokens.weight", m.vocab_size, m.hidden_size)
+
+
 def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
     cfg, m = ctx.cfg, ctx.model
     check_ffn_form(ctx, form)
@@ -208,7 +217,7 @@ def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
                f"(LM head {ctx.fmt('lm_head')} {lm_head.nbytes / 2**20:.1f} MB), kv={kv}, "
                f"pool={spec.num_blocks} blocks")
     head = QwenMTPHead(
-        embed=ctx.tensor("model.embed_tokens.weight", m.vocab_size, h),
+        embed=_embedding(ctx, lm_head),
         norm_embedding=norm(ctx, MTP + "pre_fc_norm_embedding.weight", h, eps),
         norm_hidden=norm(ctx, MTP + "pre_fc_norm_hidden.weight", h, eps),
         fc=ctx.linear(MTP + "fc", h, 2 * h, "fc"),
