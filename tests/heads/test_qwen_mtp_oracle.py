@@ -260,3 +260,19 @@ def test_bf16_moe_against_fp32_oracle():
     print(f"\n[oracle bf16 head vs fp32] logits rel err {el:.2e}, hidden_out rel err {eh:.2e}")
     assert el < BF16_TOL, f"logits rel err {el:.3e}"
     assert eh < BF16_TOL, f"hidden_out rel err {eh:.3e}"
+
+
+# --- 5: what the presets leave at one value: tied embeddings, top-k weights not renormalized ---------------
+@pytest.mark.parametrize("variant, override", [("dense", "model.tie_word_embeddings=true"),
+                                               ("moe_fused", "model.tie_word_embeddings=true"),
+                                               ("moe_per_expert", "model.norm_topk_prob=false")])
+def test_model_variants_match_oracle(variant, override):
+    name, fused = HEADS[variant]
+    cfg = compose(name, "float32", override)
+    weights = to_f32(checkpoint(cfg, fused))
+    assert ("lm_head.weight" in weights) != cfg.model.tie_word_embeddings
+    head = mtpfactory.build_head(cfg, weights)
+    el, eh = run_schedule(head, Oracle(cfg.model, weights), sequences(cfg.model, extra_rows=len(SCHEDULE)))
+    print(f"\n[oracle fp32] {variant}/{override}: logits rel err {el:.2e}, hidden_out rel err {eh:.2e}")
+    assert el < F32_TOL, f"logits rel err {el:.3e}"
+    assert eh < F32_TOL, f"hidden_out rel err {eh:.3e}"
