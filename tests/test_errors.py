@@ -194,6 +194,15 @@ def test_misshapen_tensor_names_both_shapes(name, shape, expected):
     refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}.shape={shape}", f"expected {expected}")
 
 
+def test_fused_experts_stored_transposed_are_refused():
+    # the tiny preset's H=64 differs from 2I=96, so a [E, H, 2I] table cannot pass for [E, 2I, H]
+    cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
+    name = "mtp.layers.0.mlp.experts.gate_up_proj"
+    w = qwen_mtp_weights(cfg.model, "moe", 0, fused_experts=True)
+    w[name] = w[name].transpose(1, 2).contiguous()
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}.shape=(8, 64, 96)", "expected (8, 96, 64)")
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("name", ["mtp.fc.weight", "mtp.pre_fc_norm_hidden.weight",
                                   "mtp.layers.0.self_attn.o_proj.weight", "mtp.layers.0.mlp.down_proj.weight",
