@@ -58,6 +58,7 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.P
         weights, origin = qwen_mtp_weights(cfg.model, builder.ffn_form, cfg.weights.seed), "synthetic weights"
     elif isinstance(weights, (str, os.PathLike)):
         weights = SafetensorsCheckpoint(weights)
+        weights.check_model_config(cfg.model)
         origin = f"the checkpoint at {weights.path}"
     elif isinstance(weights, Mapping):
         origin = "the weights passed to build_head"

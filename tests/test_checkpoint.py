@@ -143,3 +143,22 @@ def test_the_lm_head_shares_the_callers_tensor_unless_the_vocab_is_cut(vocab):
     assert torch.equal(weight, tensors["lm_head.weight"][: vocab or None])
     # a cut vocab is a copy of its rows, so the caller's full table can be freed
     assert (weight.data_ptr() == tensors["lm_head.weight"].data_ptr()) == (vocab == 0)
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"rope_theta": 1e7, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25, "norm_topk_prob": True}, None),
+    ({"rope_theta": 1e6}, "rope_theta"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"text_config": {"rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.5}}}, "partial_rotary_factor"),
+])
+def test_config_json_fields_no_shape_shows_must_match_the_preset(tmp_path, config, field):
+    cfg = _moe_cfg()
+    save_file({n: t.contiguous() for n, t in qwen_mtp_weights(cfg.model, "moe", seed=3, fused_experts=True).items()},
+              tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if field is None:
+        mtpfactory.build_head(cfg, tmp_path)
+        return
+    with pytest.raises(ConfigError) as e:
+        mtpfactory.build_head(cfg, tmp_path)
+    assert e.value.field == f"model.{field}" and f"set model.{field}=" in str(e.value)

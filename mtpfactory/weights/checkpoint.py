@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -16,10 +17,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from mtpfactory.errors import WeightsError
+from mtpfactory.errors import ConfigError, WeightsError
 
 log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
+# config.json fields that no tensor shape reveals: a preset that differs in one builds a head whose numbers
+# are silently off. (tie_word_embeddings shows in the tensors: the LM head builder checks it there.)
+CONFIG_FIELDS = ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "norm_topk_prob")
 
 
 class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
@@ -55,6 +59,22 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         if unlisted:
             log.warning("%s: %s not listed in %s, so never read; add their tensors to the index's weight_map if "
                         "the head needs them", self.path, ", ".join(unlisted), INDEX)
+
+    def check_model_config(self, model) -> None:
+        """Refuse a model preset whose CONFIG_FIELDS differ from the checkpoint's config.json (its `text_config`
+        in the multimodal Qwen3.5 releases; RoPE fields also under `rope_parameters`)."""
+        file = self.path / "config.json"
+        if not file.exists():
+            return
+        top = json.loads(file.read_text())
+        text = top.get("text_config", top)
+        found = {**(text.get("rope_parameters") or {}), **text}
+        for field in CONFIG_FIELDS:
+            want, have = found.get(field), model.get(field)
+            if isinstance(want, (int, float)) and have is not None and not math.isclose(want, have, rel_tol=1e-6):
+                want = json.dumps(want)  # as an override reads it: false, not False
+                raise ConfigError(f"model.{field}", have, f"the checkpoint's config.json says {field}={want}",
+                                  f"set model.{field}={want}, or choose the model preset of this checkpoint")
 
     def _handle(self, file: Path):
         if file not in self._open:
