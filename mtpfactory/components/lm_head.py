@@ -45,7 +45,7 @@ def build_lm_head(ctx) -> LMHead:
     m, w = ctx.model, ctx.weights
     v = draft_vocab(m.vocab_size, ctx.cfg.levers.mtp_vocab_size)
     if m.tie_word_embeddings and w.has("lm_head.weight"):
-        log.warning("%s holds lm_head.weight, but model.tie_word_embeddings=true: the draft LM head is the "
+        log.warning("lm_head.weight is in %s, but model.tie_word_embeddings=true: the draft LM head is the "
                     "embedding; set model.tie_word_embeddings=false if the checkpoint's config.json says so", w.origin)
     if not m.tie_word_embeddings and not w.has("lm_head.weight") and w.has("model.embed_tokens.weight"):
         raise WeightsError("lm_head.weight", None, f"missing from {w.origin}, and model.tie_word_embeddings=false",
