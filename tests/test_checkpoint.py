@@ -88,15 +88,25 @@ def _moe_cfg(*overrides):
     return mtpfactory.compose("+head=bf16_moe", "runtime.dtype=float32", "runtime.device=cpu", *overrides)
 
 
-def test_an_index_naming_a_missing_shard_names_the_file_and_its_tensor_count(tmp_path):
+def test_a_missing_shard_is_refused_only_when_the_head_reads_from_it(tmp_path, caplog):
+    """Downloading only the shards a drafter reads is normal: a missing shard of trunk tensors is a warning;
+    one holding a tensor the head reads is refused naming the tensor and the file."""
     cfg = _moe_cfg()
     tensors = qwen_mtp_weights(cfg.model, "moe", seed=3, fused_experts=True)
-    _save_sharded(tensors, tmp_path, 2)
-    (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    lost = len(sorted(tensors)[1::2])
-    with pytest.raises(WeightsError, match=f"model-00002-of-00002.safetensors \\({lost} tensors\\)") as e:
+    trunk = {"model.layers.0.mlp.gate.weight": torch.zeros(4, 4)}
+    save_file({n: t.contiguous() for n, t in tensors.items()}, tmp_path / "model-00001-of-00002.safetensors")
+    weight_map = dict.fromkeys(tensors, "model-00001-of-00002.safetensors")
+    weight_map |= dict.fromkeys(trunk, "model-00002-of-00002.safetensors")        # never downloaded
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    mtpfactory.build_head(cfg, tmp_path)
+    assert any("model-00002-of-00002.safetensors (1 tensors)" in r.message for r in caplog.records)
+
+    weight_map["mtp.fc.weight"] = "model-00002-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(WeightsError) as e:
         mtpfactory.build_head(cfg, tmp_path)
-    assert "download the missing shards" in str(e.value)
+    assert (e.value.field, e.value.value) == ("mtp.fc.weight", "model-00002-of-00002.safetensors")
+    assert "download model-00002-of-00002.safetensors" in str(e.value)
 
 
 def test_a_stale_index_names_the_tensor_and_its_shard(tmp_path):
@@ -150,6 +160,11 @@ def test_the_lm_head_shares_the_callers_tensor_unless_the_vocab_is_cut(vocab):
     ({"rope_theta": 1e6}, "rope_theta"),
     ({"norm_topk_prob": False}, "norm_topk_prob"),
     ({"text_config": {"rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.5}}}, "partial_rotary_factor"),
+    ({"num_experts_per_tok": 10}, "num_experts_per_tok"),
+    ({"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_type": "default"}}, None),
+    ({"text_config": {"rope_parameters": {"rope_type": "default", "mrope_section": [11, 11, 10],
+                                          "mrope_interleaved": True}}}, None),
+    ({"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}, None),
 ])
 def test_config_json_fields_no_shape_shows_must_match_the_preset(tmp_path, config, field):
     cfg = _moe_cfg()
@@ -162,3 +177,15 @@ def test_config_json_fields_no_shape_shows_must_match_the_preset(tmp_path, confi
     with pytest.raises(ConfigError) as e:
         mtpfactory.build_head(cfg, tmp_path)
     assert e.value.field == f"model.{field}" and f"set model.{field}=" in str(e.value)
+
+
+@pytest.mark.parametrize("config", [{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+                                    {"text_config": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}},
+                                    {"rope_scaling": {"type": "dynamic", "factor": 2.0}}])
+def test_a_config_with_rope_scaling_is_refused(tmp_path, config):
+    cfg = _moe_cfg()
+    save_file({n: t.contiguous() for n, t in qwen_mtp_weights(cfg.model, "moe", seed=3, fused_experts=True).items()},
+              tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="config.json rope scaling='(yarn|dynamic)': the heads apply default RoPE"):
+        mtpfactory.build_head(cfg, tmp_path)

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
 # config.json fields that no tensor shape reveals: a preset that differs in one builds a head whose numbers
 # are silently off. (tie_word_embeddings shows in the tensors: the LM head builder checks it there.)
-CONFIG_FIELDS = ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "norm_topk_prob")
+CONFIG_FIELDS = ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "norm_topk_prob", "num_experts_per_tok")
 
 
 class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
@@ -48,13 +48,15 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
                                "point at a Hugging Face checkpoint directory")
 
     def _check_index(self) -> None:
-        """Every shard the index names must exist; a *.safetensors file it does not name is never read."""
+        """Shards the index names but the directory lacks are named in a warning: a drafter reads only the MTP
+        layer, the embedding and the LM head, so downloading just their shards is normal, and a read from a
+        missing shard is refused naming the tensor (`__getitem__`). A *.safetensors file the index does not
+        name is never read: warned too."""
         per_file = Counter(self._where.values())
         missing = sorted(f for f in per_file if not f.exists())
         if missing:
-            listed = ", ".join(f"{f.name} ({per_file[f]} tensors)" for f in missing)
-            raise WeightsError(INDEX, str(self.path), f"names shard files that are not in the directory: {listed}",
-                               "download the missing shards, or re-export the checkpoint")
+            log.warning("%s: %s names shards the directory lacks: %s; a tensor the head reads from one is refused",
+                        self.path, INDEX, ", ".join(f"{f.name} ({per_file[f]} tensors)" for f in missing))
         unlisted = sorted(f.name for f in self.path.glob("*.safetensors") if f not in per_file)
         if unlisted:
             log.warning("%s: %s not listed in %s, so never read; add their tensors to the index's weight_map if "
@@ -69,6 +71,12 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         top = json.loads(file.read_text())
         text = top.get("text_config", top)
         found = {**(text.get("rope_parameters") or {}), **text}
+        scaling = found.get("rope_scaling") or {}
+        kind = scaling.get("rope_type", scaling.get("type")) or found.get("rope_type")
+        if kind not in (None, "default", "mrope"):   # MRoPE with text positions (t = h = w) is plain RoPE
+            raise ConfigError("config.json rope scaling", kind, "the heads apply default RoPE only (theta and the "
+                              "partial factor), so positions under another scaling would be encoded wrong",
+                              "use a config without rope_scaling (as the released checkpoints ship)")
         for field in CONFIG_FIELDS:
             want, have = found.get(field), model.get(field)
             if isinstance(want, (int, float)) and have is not None and not math.isclose(want, have, rel_tol=1e-6):
@@ -83,6 +91,10 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         file = self._where[name]
+        if not file.exists():
+            raise WeightsError(name, file.name, f"lives in {file.name}, which {INDEX} names but {self.path} lacks",
+                               f"download {file.name} (a drafter reads the shards of the MTP layer, the embedding "
+                               "and the LM head)")
         try:
             return self._handle(file).get_tensor(name)
         except (SafetensorError, OSError) as e:
