@@ -69,7 +69,9 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.P
     ctx = BuildContext(cfg, TensorSource(weights, origin), runtime_dtype(cfg), runtime_device(cfg))
     # Quantizing at build time runs the same ops as the forward: under the configured backend, on the head's GPU.
     with ops.running(cfg.runtime.backend, ctx.device):
-        return builder.build(ctx)
+        head = builder.build(ctx)
+    ctx.weights.finish()
+    return head
 
 
 def kv_reserve_bytes(cfg: DictConfig) -> int:

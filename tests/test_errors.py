@@ -237,6 +237,26 @@ def test_every_missing_tensor_is_named_at_once_and_the_fused_experts_are_offered
             "fused experts.gate_up_proj")
 
 
+def test_a_registered_head_cannot_keep_the_zeros_of_a_missing_tensor(monkeypatch):
+    """build_head refuses after any builder, so a head registered from outside that reads a tensor the weights
+    lack is refused like a built-in one, instead of running on the zeros that stand in for it."""
+    from mtpfactory import registry
+    from mtpfactory.heads import qwen_mtp
+    from mtpfactory.heads.spec import HeadBuilder
+
+    def build(ctx):
+        head = qwen_mtp._build(ctx, "dense")
+        head.extra = ctx.tensor("mtp.my_extra.weight", 4, 4)          # the user's own tensor, absent
+        return head
+
+    monkeypatch.setitem(registry._registered["head"], "mine", HeadBuilder(
+        ffn_form="dense", check=lambda c: qwen_mtp.check_config(c, "dense"), build=build,
+        pool_spec=qwen_mtp.pool_spec))
+    cfg = mtpfactory.compose("+head=dense", *CPU)
+    cfg.head.name = "mine"
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg), "mtp.my_extra.weight=None", "missing from")
+
+
 @pytest.mark.parametrize("extra", ["mtp.layers.0.self_attn.q_proj.bias", "mtp.layers.0.self_attn.o_proj.bias",
                                    "mtp.layers.0.mlp.shared_expert.down_proj.weight_scale_inv",
                                    "mtp.fc.input_scale"])

@@ -40,6 +40,7 @@ class TensorSource:
         self.origin = origin
         self.read: set[str] = set()
         self.missing: list[str] = []
+        self._warned = False
 
     def _resolve(self, name: str) -> str | None:
         if name in self._tensors:
@@ -129,7 +130,9 @@ class TensorSource:
         return gate_up, down
 
     def finish(self) -> None:
-        """End of a build: refuse naming every missing tensor; warn about MTP tensors never read."""
+        """End of a build: refuse naming every missing tensor; warn (once) about MTP tensors never read.
+        `build_head` calls it after every builder, so a head registered from outside cannot keep the zeros that
+        stand in for a missing tensor; a builder may call it earlier, before it logs its build line."""
         if self.missing:
             first = self.missing[0]
             near = sorted(k for k in self._tensors if k.rsplit(".", 2)[0] == first.rsplit(".", 2)[0])[:6]
@@ -142,6 +145,7 @@ class TensorSource:
             also = f"; {len(self.missing)} missing in all: {_listed(self.missing)}" if len(self.missing) > 1 else ""
             raise WeightsError(first, None, f"missing from {self.origin}{also}", fix)
         unread = sorted(k for k in self.mtp_names() if k not in self.read)
-        if unread:
+        if unread and not self._warned:
+            self._warned = True
             log.warning("%s: %d MTP tensors were never read, so the head ignores them: %s", self.origin, len(unread),
                         _listed(unread))
