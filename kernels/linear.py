@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mtpfactory import ops
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.ops import Op, triton_can_run
@@ -374,9 +375,7 @@ def check_out(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torc
     """`out` if given (checked: [M, N], x's dtype and device), else a fresh [M, N] tensor."""
     if out is None:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.device != x.device:
-        raise InputError("out", f"{tuple(out.shape)} {out.dtype} {out.device}",
-                         f"this call writes [{m}, {n}] {x.dtype} {x.device}", "pass a matching tensor or out=None")
+    ops.check_out(out, (m, n), x.dtype, x.device)
     return out
 
 

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import e4m3_value
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op, check_out, triton_can_run
 from mtpfactory.quant import dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -146,24 +146,10 @@ def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: 
 
 # Checks both providers make before they write anything, so that a call means the same under either.
 
-def _check_buffer(field: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
-                  device: torch.device, rows_strided: bool = False) -> None:
-    """Refuse a caller's buffer that is not `shape` `dtype` on `device`, contiguous (with `rows_strided`,
-    contiguous along the last dim only: the kernels step between rows by their stride)."""
-    if t is None:
-        return
-    if (tuple(t.shape) != shape or t.dtype != dtype or t.device != device
-            or not (t.stride(-1) == 1 if rows_strided else t.is_contiguous())):
-        layout = "its last dim contiguous" if rows_strided else "contiguous"
-        raise InputError(field, f"{tuple(t.shape)} {t.dtype} {t.device} strides {t.stride()}",
-                         f"must be {list(shape)} {dtype} on {device}, {layout}",
-                         "allocate it as the result is, or pass none")
-
-
 def _check_route_out(out, n: int, top_k: int, device: torch.device) -> None:
     if out is not None:
-        _check_buffer("out[0] (weights)", out[0], (n, top_k), torch.float32, device)
-        _check_buffer("out[1] (ids)", out[1], (n, top_k), torch.int64, device)
+        check_out(out[0], (n, top_k), torch.float32, device, "out[0] (weights)", "contiguous")
+        check_out(out[1], (n, top_k), torch.int64, device, "out[1] (ids)", "contiguous")
 
 
 def _check_moe_args(x, top_k, inter, shared_out, shared_gate, out, workspace) -> None:
@@ -172,8 +158,10 @@ def _check_moe_args(x, top_k, inter, shared_out, shared_gate, out, workspace) ->
         raise InputError("shared_out, shared_gate", f"only {given} given",
                          "the shared-expert blend takes both together, or neither",
                          "pass the shared expert's output with its gate logits, or drop both")
-    _check_buffer("out", out, tuple(x.shape), x.dtype, x.device, rows_strided=True)
-    _check_buffer("workspace", workspace, (x.shape[0] * top_k, inter), x.dtype, x.device)
+    if out is not None:
+        check_out(out, x.shape, x.dtype, x.device, layout="rows")   # the kernels step between rows by the stride
+    if workspace is not None:
+        check_out(workspace, (x.shape[0] * top_k, inter), x.dtype, x.device, "workspace", "contiguous")
 
 
 moe_route_softmax = Op("moe_route_softmax", _moe_route_softmax_native)

@@ -20,9 +20,8 @@ import triton
 import triton.language as tl
 
 from mtpfactory import quant
-from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op, check_out, triton_can_run
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -134,8 +133,8 @@ def quantize_fp8_triton(w: torch.Tensor, name: str = "weight", *,
     """
     n, k = w.shape
     if out is not None:
-        check_out("weight", out[0], torch.float8_e4m3fn, (n, k))
-        check_out("weight_scale", out[1], torch.float32, (n,))
+        check_out(out[0], (n, k), torch.float8_e4m3fn, w.device, "out[0] (weight)", "contiguous")
+        check_out(out[1], (n,), torch.float32, w.device, "out[1] (weight_scale)", "contiguous")
     x = w.contiguous()
     if out is None:
         q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
@@ -155,13 +154,6 @@ def quantize_fp8_triton(w: torch.Tensor, name: str = "weight", *,
     return q, scale
 
 
-def check_out(what: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-        raise InputError(f"out ({what})", f"{t.dtype} {tuple(t.shape)}",
-                         f"must be a contiguous {str(dtype).removeprefix('torch.')} tensor of shape {list(shape)}",
-                         "allocate it as the reference returns it, or leave out=None")
-
-
 def _quantize_fp8_native(w: torch.Tensor, name: str = "weight", *,
                          out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition, `mtpfactory.quant.quantize_fp8`, written into `out` (checked as the Triton provider
@@ -169,8 +161,8 @@ def _quantize_fp8_native(w: torch.Tensor, name: str = "weight", *,
     q, scale = quant.quantize_fp8(w, name)
     if out is None:
         return q, scale
-    check_out("weight", out[0], q.dtype, tuple(q.shape))
-    check_out("weight_scale", out[1], scale.dtype, tuple(scale.shape))
+    check_out(out[0], q.shape, q.dtype, q.device, "out[0] (weight)", "contiguous")
+    check_out(out[1], scale.shape, scale.dtype, scale.device, "out[1] (weight_scale)", "contiguous")
     return out[0].copy_(q), out[1].copy_(scale)
 
 

@@ -25,16 +25,16 @@ from mtpfactory.errors import WeightsError
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits, e4m3_value
 from mtpfactory.kernels.quantize_fp8 import (
     FINITE_LIMIT,
-    check_out,
     divides_by_reciprocal,
     fp32_reciprocal,
     global_absmax_bits,
 )
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op, check_out, triton_can_run
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 from mtpfactory.quant.nvfp4 import E2M1_MAX, NVFP4_BLOCK
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_NAMES = ("weight", "weight_scale", "weight_scale_2")
 
 
 @triton.jit
@@ -117,9 +117,10 @@ def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
                torch.empty(n, k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=w.device),
                torch.empty((), dtype=torch.float32, device=w.device))
     q, scale, global_scale = out
-    check_out("weight", q, torch.uint8, (n, k // 2))
-    check_out("weight_scale", scale, torch.float8_e4m3fn, (n, k // NVFP4_BLOCK))
-    check_out("weight_scale_2", global_scale, torch.float32, ())
+    for i, (t, shape, dtype) in enumerate(((q, (n, k // 2), torch.uint8),
+                                           (scale, (n, k // NVFP4_BLOCK), torch.float8_e4m3fn),
+                                           (global_scale, (), torch.float32))):
+        check_out(t, shape, dtype, w.device, f"out[{i}] ({_OUT_NAMES[i]})", "contiguous")
 
     amax = global_absmax_bits(x)
     if int(amax) >= FINITE_LIMIT:
@@ -140,8 +141,8 @@ def _quantize_nvfp4_native(w: torch.Tensor, name: str = "weight", *,
     made = quant.quantize_nvfp4(w, name)
     if out is None:
         return made
-    for what, t, m in zip(("weight", "weight_scale", "weight_scale_2"), out, made):
-        check_out(what, t, m.dtype, tuple(m.shape))
+    for i, (t, m) in enumerate(zip(out, made)):
+        check_out(t, m.shape, m.dtype, m.device, f"out[{i}] ({_OUT_NAMES[i]})", "contiguous")
     return tuple(t.copy_(m) for t, m in zip(out, made))
 
 

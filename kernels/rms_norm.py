@@ -12,10 +12,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op, check_out, triton_can_run
 
 
 def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
@@ -24,9 +23,9 @@ def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cen
     """x, residual: [..., H]; weight: [H]. With `residual`, returns (norm(x + residual), x + residual). `out` /
     `residual_out` (optional, x's shape and dtype) receive the norm and the sum and are returned."""
     if out is not None:
-        _check_out(out, x, "out", contiguous=False)
+        check_out(out, x.shape, x.dtype, x.device)
     if residual is not None and residual_out is not None:
-        _check_out(residual_out, x, "residual_out", contiguous=False)
+        check_out(residual_out, x.shape, x.dtype, x.device, "residual_out")
     if residual is not None:
         x = x + residual if residual_out is None else torch.add(x, residual, out=residual_out)
     xf = x.float()
@@ -89,15 +88,6 @@ def _rms_norm_supports(x, weight, eps, zero_centred, residual=None, out=None, re
             and (residual_out is None or residual_out.is_contiguous()))
 
 
-def _check_out(out: torch.Tensor, like: torch.Tensor, name: str, contiguous: bool = True) -> None:
-    """Refuse an `out` of another shape or dtype than `like` (either provider), or, for the Triton kernel, not
-    contiguous (its predicate says no to those, so `auto` runs the reference, which writes any layout)."""
-    if out.shape != like.shape or out.dtype != like.dtype or (contiguous and not out.is_contiguous()):
-        layout = "a contiguous " if contiguous else "a "
-        raise InputError(name, f"{out.dtype} {tuple(out.shape)}", f"{layout}{like.dtype} {tuple(like.shape)} "
-                         "tensor, as x", f"pass a matching tensor or {name}=None")
-
-
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     residual_out: torch.Tensor | None = None, x_pairs: XPairs | None = None, pdl: bool = False):
@@ -106,9 +96,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     of 16); `pdl`: the next launch is a programmatic dependent launch (`linear.x_pass_pdl`)."""
     y = torch.empty_like(x) if out is None else out
     s = None if residual is None else (torch.empty_like(x) if residual_out is None else residual_out)
-    _check_out(y, x, "out")
-    if s is not None:
-        _check_out(s, x, "residual_out")
+    check_out(y, x.shape, x.dtype, x.device, layout="contiguous")      # its predicate says no to others, so
+    if s is not None:                                                # `auto` runs the reference on them
+        check_out(s, x.shape, x.dtype, x.device, "residual_out", "contiguous")
     H = x.shape[-1]
     M = x.numel() // H
     if x_pairs is not None:

@@ -131,12 +131,18 @@ def triton_can_run(*tensors: torch.Tensor) -> bool:
             and all(t.device.type == "cpu" for t in tensors))
 
 
+_LAYOUTS = {"any": "", "contiguous": "contiguous ", "rows": "row-strided (last dim contiguous) "}
+
+
 def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-              field: str = "out") -> None:
-    """Refuse an `out=` tensor that cannot hold the op's result: another shape, dtype or device."""
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
-        raise InputError(field, f"{_dtype(out.dtype)} {list(out.shape)} on {out.device}",
-                         f"must be a {_dtype(dtype)} tensor of shape {list(shape)} on {device}",
+              field: str = "out", layout: str = "any") -> None:
+    """Refuse an `out=` (or scratch) tensor that cannot hold the op's result: another shape, dtype or device,
+    or a layout the provider cannot write (`layout`: "any", "contiguous", or "rows": rows at any stride)."""
+    laid = (layout == "any" or (layout == "contiguous" and out.is_contiguous())
+            or (layout == "rows" and out.stride(-1) == 1))
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not laid:
+        raise InputError(field, f"{_dtype(out.dtype)} {list(out.shape)} on {out.device}, strides {out.stride()}",
+                         f"must be a {_LAYOUTS[layout]}{_dtype(dtype)} tensor of shape {list(shape)} on {device}",
                          f"allocate it as the op returns its result, or leave {field}=None")
 
 
