@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import os
 from collections.abc import Mapping
 
@@ -25,6 +27,8 @@ from mtpfactory.registry import register
 __all__ = ["ConfigError", "DraftHead", "InputError", "KVPoolExhaustedError", "MtpfError", "UnknownNameError",
            "WeightsError", "build_head", "compose", "kv_reserve_bytes", "list_heads", "register"]
 
+
+log = logging.getLogger(__name__)
 
 def _head_builder(cfg: DictConfig):
     from mtpfactory import registry
@@ -70,7 +74,8 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.P
     # Quantizing at build time runs the same ops as the forward: under the configured backend, on the head's GPU.
     with ops.running(cfg.runtime.backend, ctx.device):
         head = builder.build(ctx)
-    ctx.weights.finish()
+    ctx.weights.finish()                 # after every builder: a missing tensor never stays the zeros it reads as
+    log.info(head.summary())             # only for a head that was built whole
     return head
 
 

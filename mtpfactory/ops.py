@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpfactory.errors import ConfigError, InputError
-from mtpfactory.registry import same_definition
+from mtpfactory.registry import _qualname, same_definition
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +165,6 @@ def _describe(args: tuple, kwargs: dict) -> str:
     named = [(f"{k}=", v) for k, v in kwargs.items()]
     return ", ".join(name + show(a) for name, a in [("", a) for a in args] + named if isinstance(a, torch.Tensor))
 
-
-def _qualname(fn: Callable) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def _where(fn: Callable) -> str:

@@ -123,9 +123,9 @@ class PagedKVCache:
 
     @contextmanager
     def writing(self, writes: list[WritePlan]) -> Iterator[None]:
-        """Apply checked writes (`check_writes`) inside: `commit` each. If the enclosed forward raises part-way
-        (an op with no provider under backend=triton, an interrupt), the cache is put back as it was: a refused
-        call changes nothing (DESIGN 5).
+        """Check the writes (`check_writes`: a refused batch changes nothing), then apply them inside: `commit`
+        each. If the enclosed forward raises part-way (an op with no provider under backend=triton, an
+        interrupt), the cache is put back as it was: a refused call changes nothing (DESIGN 5).
 
         Blocks a write drops (those past its q) go back to the pool only once the block ends without an error,
         so no other sequence of the call can take them and overwrite rows an undo gives back. The undo then
@@ -133,6 +133,7 @@ class PagedKVCache:
         stack in reverse, which restores its order), and the rows a rewrite (p < end) overwrites: none for a
         decode step at the end."""
         assert self._taken is None, "writes do not nest"
+        self.check_writes(writes)
         saved = {w.seq_id: None if (s := self.seqs.get(w.seq_id)) is None else (s.start, s.end, len(s.blocks))
                  for w in writes}
         over = [self.slots(w.seq_id, w.p, min(w.q, s.end - 1)) for w in writes

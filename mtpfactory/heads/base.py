@@ -59,7 +59,6 @@ class DraftHead(nn.Module):
             raise InputError("positions", p if len(p) <= 8 else f"{p[:8]}...", "prefill positions must be "
                              "consecutive (p, p+1, ..., q)", "split the rows into consecutive runs")
         plan = WritePlan(_as_int(seq_id, "seq_id"), p[0], p[-1])
-        self.cache.check_writes([plan])
         with self.cache.writing([plan]):
             if self.prefill_scratch is None:  # row by row through the decode path
                 for i in range(len(p)):
@@ -78,7 +77,6 @@ class DraftHead(nn.Module):
         ids = self._check_seq_ids(seq_ids)
         tokens, hidden, positions = self._check_rows(tokens, hidden, positions, batch=len(ids))
         plans = [WritePlan(i, p, p) for i, p in zip(ids, positions.tolist())]
-        self.cache.check_writes(plans)
         with self.cache.writing(plans):
             return self._step_checked(ids, tokens, hidden, positions)
 
@@ -92,7 +90,6 @@ class DraftHead(nn.Module):
         if not isinstance(k, int) or k < 1:
             raise InputError("k", k, "must be an int >= 1", "ask for at least one draft token")
         plans = [WritePlan(i, p, p + k - 1) for i, p in zip(ids, positions.tolist())]
-        self.cache.check_writes(plans)
         drafts = []
         with self.cache.writing(plans):
             for _ in range(k):

@@ -11,7 +11,6 @@ check the config, pick the components by registry name and fill in the dimension
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -29,7 +28,6 @@ from mtpfactory.heads.base import DraftHead, PrefillScratch
 from mtpfactory.heads.spec import HeadBuilder
 from mtpfactory.weights.source import MTP_PREFIXES
 
-log = logging.getLogger(__name__)
 
 MTP, LAYER = "mtp.", "mtp.layers.0."
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
@@ -226,8 +224,6 @@ def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
         norm=norm(ctx, MTP + "norm.weight", h, eps), lm_head=lm_head,
         cache=cache, hidden_size=h, vocab_size=m.vocab_size, dtype=ctx.dtype, device=ctx.device,
         backend=cfg.runtime.backend, prefill_scratch=scratch, summary=summary)
-    ctx.weights.finish()
-    log.info(summary)
     return head
 
 

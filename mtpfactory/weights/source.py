@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 
 # Other spellings of a name: the multimodal releases put the text model under `model.language_model.`, and
 # some Qwen3.5 exports put the MTP layer under `model.mtp.` or `model.language_model.mtp.` (DESIGN 2.1).
-_ALT_PREFIXES = (("model.", ("model.language_model.",)), ("mtp.", ("model.mtp.", "model.language_model.mtp.")))
 MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.")
+_ALT_PREFIXES = (("model.", ("model.language_model.",)), (MTP_PREFIXES[0], MTP_PREFIXES[1:]))
 # Tensors beside `<proj>.weight` that change what the projection computes; a head that reads the weight
 # as a plain matrix would compute something else than the checkpoint means.
 _MODIFIERS = (".bias", ".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".input_scale")
@@ -40,7 +40,6 @@ class TensorSource:
         self.origin = origin
         self.read: set[str] = set()
         self.missing: list[str] = []
-        self._warned = False
 
     def _resolve(self, name: str) -> str | None:
         if name in self._tensors:
@@ -130,9 +129,8 @@ class TensorSource:
         return gate_up, down
 
     def finish(self) -> None:
-        """End of a build: refuse naming every missing tensor; warn (once) about MTP tensors never read.
-        `build_head` calls it after every builder, so a head registered from outside cannot keep the zeros that
-        stand in for a missing tensor; a builder may call it earlier, before it logs its build line."""
+        """End of a build (`build_head`, after every builder): refuse naming every missing tensor, so no head keeps
+        the zeros that stand in for one; warn about MTP tensors never read."""
         if self.missing:
             first = self.missing[0]
             near = sorted(k for k in self._tensors if k.rsplit(".", 2)[0] == first.rsplit(".", 2)[0])[:6]
@@ -145,7 +143,6 @@ class TensorSource:
             also = f"; {len(self.missing)} missing in all: {_listed(self.missing)}" if len(self.missing) > 1 else ""
             raise WeightsError(first, None, f"missing from {self.origin}{also}", fix)
         unread = sorted(k for k in self.mtp_names() if k not in self.read)
-        if unread and not self._warned:
-            self._warned = True
+        if unread:
             log.warning("%s: %d MTP tensors were never read, so the head ignores them: %s", self.origin, len(unread),
                         _listed(unread))
