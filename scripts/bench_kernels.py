@@ -92,6 +92,14 @@ def net_us(calls: list, replay: float, warmup: int = 25, rep: int = 200) -> floa
     return (replay_us(calls + calls, warmup, rep) - replay) / len(calls)
 
 
+def alternating(keys, rounds: int):
+    """(round, the keys in that round's order) for `rounds` rounds, the order reversed every other round: the
+    power cap slows whichever variant runs after a heavy launch, so no variant always follows the same one.
+    Each round lists `keys` as they are then (a variant dropped in one round is gone from the next)."""
+    for r in range(rounds):
+        yield r, (list(keys) if r % 2 == 0 else list(keys)[::-1])
+
+
 def graph_time_us(calls: list, net: bool = False) -> tuple[float, bool, float]:
     """(one call's time, whether graphed, its `net_us` with net or nan): a CUDA graph launches each call (one
     per weight copy) once per replay, so host launch cost stays out. A provider that cannot be captured is timed
@@ -213,10 +221,8 @@ def bench_shape(name: str, ms: list[int], args, bw: float, bw_net: float | None)
     times = {c: [] for c in cases}
     nets = {c: [] for c in cases}
     graphed = {}
-    for r in range(args.rounds):
-        for c in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
-            if c not in cases:
-                continue
+    for r, order in alternating(cases, args.rounds):
+        for c in order:
             try:
                 us, graphed[c], net = graph_time_us(cases[c][1], args.net)
             except Exception as e:  # noqa: BLE001

@@ -41,7 +41,7 @@ from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
 
 linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_kernels import MIN_CALLS, ROTATE_BYTES, SHAPES, copy_bandwidth, weight_bytes  # noqa: E402
+from bench_kernels import MIN_CALLS, ROTATE_BYTES, SHAPES, alternating, copy_bandwidth, weight_bytes  # noqa: E402
 from sass_stats import load_peer  # noqa: E402
 from tune_gemv import time_us  # noqa: E402
 
@@ -161,8 +161,8 @@ def main() -> int:
             if (name, m) not in failed:
                 variants[f"{name} M={m}"] = [wgmma_call(xs[m], t, TILES[name], outs[m]) for t in copies]
         times = {v: [] for v in variants}
-        for r in range(args.rounds):
-            for v in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+        for _, order in alternating(variants, args.rounds):
+            for v in order:
                 calls = list(itertools.islice(itertools.cycle(variants[v]), MIN_CALLS))
                 times[v].append(time_us(calls, 100))
         print(f"\n{shape} ({n} x {k}), floor {floor:.2f} us, {len(copies)} weight copies, {args.rounds} rounds")

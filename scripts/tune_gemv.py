@@ -40,6 +40,7 @@ linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import (  # noqa: E402
     SHAPES,
+    alternating,
     copy_bandwidth,
     copy_bandwidth_net,
     formats,
@@ -216,8 +217,8 @@ def main() -> int:
                             "cuBLAS": [lambda t=t: torch.nn.functional.linear(x, t) for t in w[key]]}
                     times = {v: [] for v in pair}
                     nets = {v: [] for v in pair}
-                    for r in range(args.rounds):
-                        for v in (list(pair) if r % 2 == 0 else list(pair)[::-1]):
+                    for _, order in alternating(pair, args.rounds):
+                        for v in order:
                             replay = replay_us(pair[v], 5, 40)
                             times[v].append(replay / len(pair[v]))
                             nets[v].append(net_us(pair[v], replay, 5, 40) if args.net else math.nan)
