@@ -1045,6 +1045,12 @@ def planned_x_pairs(x: torch.Tensor, n: int, k: int, split_k: bool, weight: torc
     None where that call runs no x pass. Given the weight and its scales, the plan is the one the call makes
     for them (`planned`: no wgmma kernel where its TMA cannot read them); without, one for a weight it can."""
     plan = default_plan(x, n, k, split_k) if weight is None else planned(x, n, k, split_k, weight, weight_scale)[0]
+    return x_pairs_for(x, n, k, plan)
+
+
+def x_pairs_for(x: torch.Tensor, n: int, k: int, plan: GemvPlan) -> XPairs | None:
+    """Empty `XPairs` of x [M, k] as a call of `plan` on an [n, k] weight reads them, or None where it runs no
+    x pass."""
     if not runs_x_pass(x, n, k, plan):
         return None
     return XPairs.empty(x.shape[0], k, plan.k_per_split, x.device, _pairs_order(plan))
@@ -1176,9 +1182,10 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 
 def _linear_nvfp4_launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          weight_scale_2: torch.Tensor, split_k: bool, out: torch.Tensor | None,
-                         plan: GemvPlan | None, x_pairs: XPairs | None) -> torch.Tensor:
+                         plan: GemvPlan | None, x_pairs: XPairs | None, planned_here: bool = False) -> torch.Tensor:
     """`linear_nvfp4_triton` on operands `operand_refusal` passed (the op's predicate checked them: one check a
-    call)."""
+    call). `planned_here`: `plan` is `planned`'s for these operands (the fused op planned it for its norm's
+    pairs), so it is neither checked nor made again."""
     m, k = x.shape
     n = weight.shape[0]
     out = check_out(out, m, n, x)
@@ -1189,11 +1196,10 @@ def _linear_nvfp4_launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     x16 = x.dtype in (torch.bfloat16, torch.float16)
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
-    given = plan is not None
-    if given:
-        if err := plan_refusal(plan, m, k, x16):
-            raise err
-    else:
+    given = plan is not None and not planned_here                   # by a caller: checked
+    if given and (err := plan_refusal(plan, m, k, x16)):
+        raise err
+    if plan is None:
         plan, why = planned(x, n, k, split_k, weight, weight_scale)
         if why and x_pairs is not None and x_pairs.order:
             raise ValueError(f"x_pairs: made in the wgmma kernel's order ({x_pairs.order}), which cannot run "

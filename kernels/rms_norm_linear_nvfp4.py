@@ -3,11 +3,11 @@
 `residual`, (logits, y, x + residual).
 
 The reference is the two references in turn. The Triton provider runs the two Triton providers in turn,
-but where the GEMV's plan runs x's pass (`planned_x_pairs`: 16-bit x, several rows or a weight of 2^26
+but where the GEMV's plan runs x's pass (16-bit x, several rows or a weight of 2^26
 elements or more, the LM heads) the norm makes that pass's pairs and exponents from the row it holds in
 registers (`rms_norm_triton(x_pairs=...)`) and the GEMV reads them: one launch fewer, and no reload of x.
-The pairs are planned for this weight (`planned_x_pairs(..., weight, weight_scale)`), so they are in the
-order of the kernel the GEMV runs on it (not the wgmma kernel's where its TMA cannot read the weight).
+The call is planned once for this weight (`planned`), for the pairs (`x_pairs_for`) and the GEMV, so the pairs
+are in the order of the kernel the GEMV runs on it (not the wgmma kernel's where its TMA cannot read the weight).
 The GEMV is then a programmatic dependent launch after the norm (`linear.x_pass_pdl`). Its results equal
 the two providers' in turn bit for bit.
 """
@@ -22,7 +22,8 @@ from mtpfactory.kernels.linear_nvfp4 import (
     _linear_nvfp4_native,
     _linear_nvfp4_supports,
     operand_refusal,
-    planned_x_pairs,
+    planned,
+    x_pairs_for,
 )
 from mtpfactory.kernels.rms_norm import _rms_norm_native, _rms_norm_supports, rms_norm_triton
 from mtpfactory.ops import Op
@@ -57,11 +58,14 @@ def _rms_norm_linear_nvfp4(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     """`rms_norm_linear_nvfp4_triton` on NVFP4 operands already checked (the op's predicate did, on x, which has
     the norm's shape and dtype)."""
     m, k = x.shape
-    x_pairs = None if m == 0 else planned_x_pairs(x, weight.shape[0], k, split_work, weight, weight_scale)
+    n = weight.shape[0]
+    plan = planned(x, n, k, split_work, weight, weight_scale)[0] if m else None   # once, for the pairs and GEMV
+    x_pairs = None if plan is None else x_pairs_for(x, n, k, plan)
     pdl = x_pairs is not None and x_pass_pdl(x)
     normed = rms_norm_triton(x, norm_weight, eps, zero_centred, residual, x_pairs=x_pairs, pdl=pdl)
     y = normed if residual is None else normed[0]
-    logits = _linear_nvfp4_launch(y, weight, weight_scale, weight_scale_2, split_work, None, None, x_pairs)
+    logits = _linear_nvfp4_launch(y, weight, weight_scale, weight_scale_2, split_work, None, plan, x_pairs,
+                                  planned_here=plan is not None)
     return (logits, y) if residual is None else (logits, *normed)
 
 
