@@ -161,9 +161,7 @@ def test_every_projection_is_stored_as_the_quant_table_says(head, quant, lm_head
     want, experts = table_formats(head, quant, lm_head, experts_nvfp4)
     assert {name: m.fmt for name, m in linears.items()} == want
     for name, m in linears.items():
-        packed = 2 if m.fmt == "nvfp4" else 1  # NVFP4: two codes a byte
         assert m.weight.dtype == STORED[m.fmt], name
-        assert m.dequantize().shape == (m.weight.shape[0], m.weight.shape[1] * packed), name
     if experts is None:
         assert not hasattr(built.ffn, "experts")
     else:
