@@ -379,6 +379,18 @@ def check_out(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torc
     return out
 
 
+def k_slices_refusal(plan: GemvPlan, k: int) -> InputError | None:
+    """Why a given plan's K slices cannot serve K, or None: each slice whole block_k steps (a slice reads its
+    steps to the end, so another length overlaps the next slice), together covering K (K past them is never
+    read), none empty past K (the NVFP4 kernels read a slice's steps unmasked). `make_plan` makes such plans."""
+    if (plan.k_per_split <= 0 or plan.k_per_split % plan.block_k
+            or not (plan.splits - 1) * plan.k_per_split < k <= plan.splits * plan.k_per_split):
+        return InputError("plan", f"{plan.splits} K slices of {plan.k_per_split}", f"slices of whole block_k = "
+                          f"{plan.block_k} steps that cover K = {k}, none of them empty",
+                          f"make the plan for K = {k}: make_plan(m, n, {k}, ...)")
+    return None
+
+
 def lowp_dot(x: torch.Tensor) -> bool:
     """Feed `tl.dot` 16-bit operands: on the GPU for bf16/fp16 x; never in the interpreter (raw bits)."""
     return x.is_cuda and x.dtype != torch.float32
@@ -482,11 +494,8 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
                          f"must be at least M = {m}: the launch has no M axis, so rows {plan.block_m} to {m - 1} "
                          "would be left unwritten", "make the plan for this M (make_plan's default block_m "
                          "fits it), or leave plan=None")
-    elif plan.k_per_split <= 0 or plan.k_per_split % plan.block_k or plan.splits * plan.k_per_split < k:
-        raise InputError("plan", f"{plan.splits} K slices of {plan.k_per_split}", f"slices of whole block_k = "
-                         f"{plan.block_k} steps that cover K = {k} (a slice reads block_k steps to its end, so "
-                         "another length overlaps the next slice, and K past the slices is never read)",
-                         f"make the plan for K = {k}: make_plan(m, n, {k}, ...)")
+    elif err := k_slices_refusal(plan, k):
+        raise err
     if plan.tma:
         xd = TensorDescriptor.from_tensor(x, [plan.block_m, plan.block_k])
         wd = TensorDescriptor.from_tensor(weight, [plan.block_n, plan.block_k])

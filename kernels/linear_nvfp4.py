@@ -68,6 +68,7 @@ from mtpfactory.kernels.linear import (
     dot_acc,
     dot_result,
     dot_zeros,
+    k_slices_refusal,
     lowp_dot,
     partial_buffer,
     plan_for,
@@ -1155,13 +1156,7 @@ def plan_refusal(plan: GemvPlan, m: int, k: int, x16: bool) -> MtpfError | None:
         return InputError("plan", f"block_m = {plan.block_m} for M = {m}", f"a GEMV (block_m 1 for M = 1; 2, 4 "
                           f"or 8, at least M, for up to {ROWS_KERNEL_MAX} rows of bf16 or fp16 x) or the tensor "
                           "cores (block_m 16 or 32, at least M)", "use one of those")
-    if (plan.k_per_split <= 0 or plan.k_per_split % plan.block_k
-            or not (plan.splits - 1) * plan.k_per_split < k <= plan.splits * plan.k_per_split):
-        return InputError("plan", f"{plan.splits} K slices of {plan.k_per_split}", f"slices of whole block_k = "
-                          f"{plan.block_k} steps that cover K = {k}, none of them empty (the kernels read each "
-                          "slice's whole steps unmasked where K is a multiple of the slice)",
-                          f"make the plan for K = {k}: make_plan(m, n, {k}, ...)")
-    return None
+    return k_slices_refusal(plan, k)
 
 
 def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
