@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, check_out, triton_can_run, write_out
+from mtpfactory.ops import Op, out_or_empty, triton_can_run, write_out
 
 
 def _argmax_native(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,9 +81,7 @@ def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: 
     """The reference's contract; `out` (optional, any stride): int64 [B]; `chunk`: V elements per first-stage
     program (a power of two)."""
     B, V = logits.shape
-    if out is not None:
-        check_out(out, (B,), torch.int64, logits.device)
-    y = torch.empty(B, dtype=torch.int64, device=logits.device) if out is None else out
+    y = out_or_empty(out, (B,), torch.int64, logits.device)
     if B == 0:
         return y
     chunk = min(chunk, triton.next_power_of_2(V))

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtpfactory.ops import Op, check_out, triton_can_run, write_out
+from mtpfactory.ops import Op, out_or_empty, triton_can_run, write_out
 
 
 def _embedding_native(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,9 +44,7 @@ def embedding_triton(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor |
     """The reference's contract, with ids in [0, V) (not checked on the device: an id out of range reads
     out of bounds where index_select would raise). `out` (optional, any strides): [N, H] in table's dtype."""
     N, H = ids.shape[0], table.shape[1]
-    if out is not None:
-        check_out(out, (N, H), table.dtype, table.device)
-    y = torch.empty(N, H, dtype=table.dtype, device=table.device) if out is None else out
+    y = out_or_empty(out, (N, H), table.dtype, table.device)
     if N == 0 or H == 0:
         return y
     bits = _INT_OF_SIZE[table.element_size()]

@@ -371,14 +371,6 @@ def x_scan_block(span: int, cap: int = 8192) -> int:
     return min(triton.next_power_of_2(span), cap)
 
 
-def check_out(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
-    """`out` if given (checked: [M, N], x's dtype and device), else a fresh [M, N] tensor."""
-    if out is None:
-        return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ops.check_out(out, (m, n), x.dtype, x.device)
-    return out
-
-
 def k_slices_refusal(plan: GemvPlan, k: int) -> InputError | None:
     """Why a given plan's K slices cannot serve K, or None: each slice whole block_k steps (a slice reads its
     steps to the end, so another length overlaps the next slice), together covering K (K past them is never
@@ -474,7 +466,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
         raise InputError("weight", f"{tuple(weight.shape)} with strides {weight.stride()}",
                          f"[N, K] with K = {k} as x [{m}, {k}] has, and unit stride along K",
                          "pass weight.contiguous(), or x of this weight's K")
-    out = check_out(out, m, n, x)
+    out = ops.out_or_empty(out, (m, n), x.dtype, x.device)
     if m == 0 or n == 0:
         return out
     scaled = weight_scale is not None

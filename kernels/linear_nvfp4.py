@@ -64,7 +64,6 @@ from mtpfactory.kernels.linear import (
     Tile,
     TileTable,
     amax_exponent,
-    check_out,
     dot_acc,
     dot_result,
     dot_zeros,
@@ -79,7 +78,7 @@ from mtpfactory.kernels.linear import (
     x_pass_pdl,
     x_scan_block,
 )
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op, out_or_empty, triton_can_run
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
 
 
@@ -1183,7 +1182,7 @@ def _linear_nvfp4_launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     pairs), so it is neither checked nor made again."""
     m, k = x.shape
     n = weight.shape[0]
-    out = check_out(out, m, n, x)
+    out = out_or_empty(out, (m, n), x.dtype, x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:

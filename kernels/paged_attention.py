@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtpfactory.ops import Op, check_out, triton_can_run, write_out
+from mtpfactory.ops import Op, out_or_empty, triton_can_run, write_out
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
@@ -195,10 +195,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     group = hq // hkv
     g_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
     d_pad = max(16, triton.next_power_of_2(d))
-    if out is not None:
-        check_out(out, q.shape, q.dtype, q.device)
-    else:
-        out = torch.empty_like(q)
+    out = out_or_empty(out, q.shape, q.dtype, q.device)
     if b == 0:
         return out
     max_tokens = max(1, block_tables.shape[1] * bs)

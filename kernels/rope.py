@@ -8,7 +8,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, check_out, triton_can_run, write_out
+from mtpfactory.ops import Op, out_or_empty, triton_can_run, write_out
 
 
 def _rope_neox_native(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -92,9 +92,7 @@ def rope_neox_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
     """The reference's contract; x may be a strided view (a slice of a fused QKV) with its last dim
     contiguous. `out` (optional, any strides) has x's shape and dtype."""
     N, heads, D = x.shape
-    if out is not None:
-        check_out(out, x.shape, x.dtype, x.device)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    y = out_or_empty(out, x.shape, x.dtype, x.device)
     if N == 0 or heads == 0 or D == 0:
         return y
     half = inv_freq.numel()

@@ -146,6 +146,15 @@ def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev
                          f"allocate it as the op returns its result, or leave {field}=None")
 
 
+def out_or_empty(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 layout: str = "any") -> torch.Tensor:
+    """A fast provider's output: `out` when given (checked: `check_out`), else a fresh tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_out(out, shape, dtype, device, layout=layout)
+    return out
+
+
 def write_out(out: torch.Tensor | None, result: torch.Tensor, field: str = "out") -> torch.Tensor:
     """A reference's `out=`: `result` copied into `out` (checked as the fast providers check it) and `out`
     returned; `result` itself when `out` is None."""
