@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtpfactory.ops import Op, out_or_empty, triton_can_run, write_out
+from mtpfactory.ops import Op, check_indices, out_or_empty, triton_can_run, write_out
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
@@ -32,16 +32,22 @@ def _paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                                    out: torch.Tensor | None = None) -> torch.Tensor:
     """q, gate: [B, q_heads, D] (gate in any float dtype); k_cache, v_cache: [blocks, block_size, kv_heads, D]
     (float or FP8 E4M3); k_scale, v_scale: fp32 [blocks, block_size, kv_heads] or None (unit scales);
-    block_tables: [B, max_blocks] int (a row's slots in order); context_lens: [B] int (slots to attend).
+    block_tables: [B, max_blocks] int (a row's blocks in order, ids in [0, blocks)); context_lens: [B] int
+    (tokens to attend, from 0 to max_blocks * block_size).
 
     Softmax in fp32; returns [B, q_heads, D] in q's dtype (a row with no context gives zeros), written into
     `out` when given."""
     b, hq, d = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    nb, bs, hkv = k_cache.shape[:3]
+    check_indices("context_lens", context_lens, 0, block_tables.shape[1] * bs + 1,
+                  f"token counts that {block_tables.shape[1]} blocks of {bs} hold",
+                  "widen block_tables to cover every sequence's context")
     y = torch.empty_like(q)
     for i in range(b):
         n = int(context_lens[i])
         blocks = block_tables[i, : (n + bs - 1) // bs].long()
+        check_indices(f"block_tables[{i}]", blocks, 0, nb, f"the ids of the blocks row {i}'s {n} tokens use",
+                      f"point them at blocks of this {nb}-block cache")
         k = k_cache[blocks].reshape(-1, hkv, d)[:n].float()  # [n, kv_heads, D]
         v = v_cache[blocks].reshape(-1, hkv, d)[:n].float()
         if k_scale is not None:
@@ -77,7 +83,7 @@ def _store_out(acc, l_i, out_ptr, gate_ptr, pid_b, q_heads, d, row_mask, d_mask,
 def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gate_ptr, bt_ptr, cl_ptr, out_ptr,
         pacc_ptr, pm_ptr, pl_ptr,  # split partials: [B, kv_heads, S, G_PAD, D_PAD], [B, kv_heads, S, G_PAD] x2
-        scale_log2e, block_size, split_len,
+        scale_log2e, num_blocks, block_size, max_tokens, split_len,
         s_qb, s_qh, s_qd, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
         s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_gb, s_gh, s_gd, s_ob, s_oh, s_od, s_btb, s_btn,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -87,7 +93,9 @@ def _paged_decode_kernel(
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)  # KV head
     pid_s = tl.program_id(2)  # context split
-    n = tl.load(cl_ptr + pid_b)
+    # Clamped to what the block table holds, and a block id outside [0, num_blocks) masks its tokens: the
+    # reference refuses both (a sync); here they read nothing out of bounds.
+    n = tl.minimum(tl.maximum(tl.load(cl_ptr + pid_b).to(tl.int64), 0), max_tokens)
     start = pid_s * split_len
     end = tl.minimum(start + split_len, n)
 
@@ -105,8 +113,8 @@ def _paged_decode_kernel(
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)  # token positions in the sequence
-        t_mask = t < end
-        blk = tl.load(bt_ptr + pid_b * s_btb + (t // block_size) * s_btn, mask=t_mask, other=0).to(tl.int64)
+        blk = tl.load(bt_ptr + pid_b * s_btb + (t // block_size) * s_btn, mask=t < end, other=0).to(tl.int64)
+        t_mask = (t < end) & (blk >= 0) & (blk < num_blocks)
         off = t % block_size
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + (blk * s_kb + off * s_kt + pid_h * s_kh)[:, None] + d[None, :] * s_kd,
@@ -185,7 +193,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   num_warps: int = 4, fast_dot: bool = False) -> torch.Tensor:
     """The Triton provider; same arguments as the reference (`out`: written in place and returned, any
     strides), plus `num_splits` (context splits per sequence; None picks from the GPU's size, 1 on the CPU),
-    `block_n` (tokens per tile, a power of two >= 16) and `num_warps`. Never synchronizes with the host.
+    `block_n` (tokens per tile, a power of two >= 16) and `num_warps`. Never synchronizes with the host, so
+    it cannot refuse what the reference refuses: a context length past the block table is clamped to it, and
+    a block id out of range drops its tokens (nothing is read out of bounds).
 
     The dots take fp32 operands (tf32 on the GPU: exact products for 16-bit and FP8 inputs, p rounded to
     10 mantissa bits), "ieee" when q or the cache is fp32. `fast_dot` (GPU, 16-bit q) runs them in q's
@@ -219,7 +229,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     consts = dict(GROUP=group, G_PAD=g_pad, HEAD_DIM=d, D_PAD=d_pad, HAS_GATE=gate is not None)
     _paged_decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, ks, vs, gt, block_tables, context_lens.contiguous(), out, pacc, pm, pl,
-        scale * _LOG2E, bs, split_len,
+        scale * _LOG2E, k_cache.shape[0], bs, block_tables.shape[1] * bs, split_len,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *ks_st, *vs_st, *gt.stride(), *out.stride(),
         *block_tables.stride(),
         BLOCK_N=block_n, NUM_SPLITS=splits, HAS_K_SCALE=k_scale is not None,

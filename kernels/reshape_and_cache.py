@@ -7,14 +7,23 @@ import triton
 import triton.language as tl
 
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op, check_indices, triton_can_run
+
+
+def check_slots(slots: torch.Tensor, cache: torch.Tensor) -> None:
+    """Refuse a slot outside [-blocks * block_size, blocks * block_size) (a negative slot counts from the end)."""
+    n = cache.shape[0] * cache.shape[1]
+    check_indices("slots", slots, -n, n, f"cache slots of these {cache.shape[0]} blocks of {cache.shape[1]}",
+                  "write at slot = block * block_size + offset of a block this cache holds")
 
 
 def _reshape_and_cache_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """k, v: [N, kv_heads, D]; k_cache, v_cache: [blocks, block_size, kv_heads, D]; slots: [N] int.
+    """k, v: [N, kv_heads, D]; k_cache, v_cache: [blocks, block_size, kv_heads, D]; slots: [N] int in
+    [-blocks * block_size, blocks * block_size) (a negative slot counts from the end).
 
     Values are cast to the cache dtype; in place."""
+    check_slots(slots, k_cache)
     nb, bs = k_cache.shape[:2]
     k_cache.view(nb * bs, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
     v_cache.view(nb * bs, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
@@ -41,13 +50,14 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
                               stride_kn, stride_kh, stride_vn, stride_vh, k_heads, k_dim, v_heads, v_dim,
                               BLOCK_HEADS: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_VD: tl.constexpr):
     """Program (token n, block of heads); K and V in one launch. A negative slot counts from the end, as the
-    reference's indexing does."""
+    reference's indexing does; a slot outside [-n_slots, n_slots) writes nothing."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     slot = tl.load(slots_ptr + n).to(tl.int64)
     slot = tl.where(slot < 0, slot + n_slots, slot)
-    _store_rows(k_ptr, stride_kn, stride_kh, k_cache_ptr, n, slot, k_heads, k_dim, h, BLOCK_KD)
-    _store_rows(v_ptr, stride_vn, stride_vh, v_cache_ptr, n, slot, v_heads, v_dim, h, BLOCK_VD)
+    if (slot >= 0) & (slot < n_slots):
+        _store_rows(k_ptr, stride_kn, stride_kh, k_cache_ptr, n, slot, k_heads, k_dim, h, BLOCK_KD)
+        _store_rows(v_ptr, stride_vn, stride_vh, v_cache_ptr, n, slot, v_heads, v_dim, h, BLOCK_VD)
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # FP8 caches: a later kernel
@@ -67,8 +77,8 @@ def _reshape_and_cache_supports(k, v, k_cache, v_cache, slots) -> bool:
 def reshape_and_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              slots: torch.Tensor) -> None:
     """The reference's contract. k, v may be strided views (slices of a fused QKV) with the last dim
-    contiguous; the caches are contiguous. Slots in [-blocks * block_size, blocks * block_size) (not checked
-    on the device); duplicate slots leave one of the writers' rows, unspecified which, as in the reference."""
+    contiguous; the caches are contiguous. A slot out of range, which the reference refuses (a sync), writes
+    nothing here; duplicate slots leave one of the writers' rows, unspecified which, as in the reference."""
     N, k_heads, k_dim = k.shape
     _, v_heads, v_dim = v.shape
     if N == 0 or max(k_heads, v_heads) == 0:

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
 from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.kernels.reshape_and_cache import check_slots
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, to_e4m3
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # 448, readable inside @triton.jit
@@ -27,7 +28,9 @@ def _reshape_and_cache_fp8_native(k: torch.Tensor, v: torch.Tensor, k_cache: tor
                                   v_cache: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None) -> None:
     """k, v: [N, kv_heads, D] (any float dtype); k_cache, v_cache: float8_e4m3fn [blocks, block_size,
-    kv_heads, D]; slots: [N] int; k_scale, v_scale: fp32 [blocks, block_size, kv_heads] or None. In place."""
+    kv_heads, D]; slots: [N] int in [-blocks * block_size, blocks * block_size) (a negative slot counts from
+    the end); k_scale, v_scale: fp32 [blocks, block_size, kv_heads] or None. In place."""
+    check_slots(slots, k_cache)
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         nb, bs = cache.shape[:2]
         y = x.float()  # [N, kv_heads, D]
@@ -73,23 +76,25 @@ def _reshape_and_cache_fp8_kernel(
         KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr):
     """One program per row: all KV heads of K and of V. A negative slot counts from the end, as the
-    reference's indexing does (Triton's // and % round toward zero, so it must be wrapped first)."""
+    reference's indexing does (Triton's // and % round toward zero, so it must be wrapped first); a slot
+    outside [-n_slots, n_slots) writes nothing."""
     row = tl.program_id(0)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     slot = tl.where(slot < 0, slot + n_slots, slot)
-    blk = slot // block_size
-    off = slot % block_size
-    _quantize_store(k_ptr, kc_ptr, ks_ptr, row, blk, off, s_kn, s_kh, s_kd, s_kcb, s_kct, s_kch, s_kcd,
-                    s_ksb, s_kst, s_ksh, KV_HEADS, H_PAD, HEAD_DIM, D_PAD, HAS_K_SCALE)
-    _quantize_store(v_ptr, vc_ptr, vs_ptr, row, blk, off, s_vn, s_vh, s_vd, s_vcb, s_vct, s_vch, s_vcd,
-                    s_vsb, s_vst, s_vsh, KV_HEADS, H_PAD, HEAD_DIM, D_PAD, HAS_V_SCALE)
+    if (slot >= 0) & (slot < n_slots):
+        blk = slot // block_size
+        off = slot % block_size
+        _quantize_store(k_ptr, kc_ptr, ks_ptr, row, blk, off, s_kn, s_kh, s_kd, s_kcb, s_kct, s_kch, s_kcd,
+                        s_ksb, s_kst, s_ksh, KV_HEADS, H_PAD, HEAD_DIM, D_PAD, HAS_K_SCALE)
+        _quantize_store(v_ptr, vc_ptr, vs_ptr, row, blk, off, s_vn, s_vh, s_vd, s_vcb, s_vct, s_vch, s_vcd,
+                        s_vsb, s_vst, s_vsh, KV_HEADS, H_PAD, HEAD_DIM, D_PAD, HAS_V_SCALE)
 
 
 def reshape_and_cache_fp8_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slots: torch.Tensor, k_scale: torch.Tensor | None = None,
                                  v_scale: torch.Tensor | None = None) -> None:
-    """The Triton provider; same arguments as the reference. In place. Slots in
-    [-blocks * block_size, blocks * block_size) (not checked on the device)."""
+    """The Triton provider; same arguments as the reference. In place. A slot out of range, which the
+    reference refuses (a sync), writes nothing here."""
     n, hkv, d = k.shape
     if n == 0:
         return

@@ -164,6 +164,17 @@ def write_out(out: torch.Tensor | None, result: torch.Tensor, field: str = "out"
     return out.copy_(result)
 
 
+def check_indices(field: str, idx: torch.Tensor, low: int, high: int, means: str, fix: str) -> None:
+    """Refuse (InputError) an index tensor with a value outside [low, high). For references, which may sync
+    (one `.tolist()`); the Triton providers cannot raise without one, so they skip such an index instead
+    (write zeros, or nothing) and never read or write out of bounds."""
+    if idx.numel() == 0:
+        return
+    lo, hi = torch.stack(torch.aminmax(idx)).tolist()
+    if lo < low or hi >= high:
+        raise InputError(field, lo if lo < low else hi, f"{means} lie in [{low}, {high})", fix)
+
+
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -63,6 +63,21 @@ def test_strided_ids_and_out_which_every_provider_takes(backend):
                 embedding(ids, table, out=bad)
 
 
+@pytest.mark.parametrize("bad", [-1, 5, 2**40])
+def test_id_out_of_range_refused_by_the_reference_and_a_zero_row_from_the_kernel(bad):
+    """Ids lie in [0, 5). The reference refuses another, naming the field; the kernel, which cannot raise
+    without a sync, writes zeros for that row and reads nothing outside the table: the table is rows 2-6 of a
+    NaN-filled tensor, so a read before or past it would show as NaN."""
+    wide = torch.full((9, 6), float("nan"))
+    table = wide[2:7]
+    table.copy_(torch.randn(5, 6, generator=torch.Generator().manual_seed(3)))
+    ids = torch.tensor([4, bad, 0])
+    with pytest.raises(InputError, match=rf"^ids={bad}: token ids of this 5-row table lie in \[0, 5\)"):
+        embedding.reference(ids, table)
+    got = run(ids, table)
+    assert bits_equal(got[[0, 2]], table[[4, 0]]) and torch.equal(got[1], torch.zeros(6))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("H", [2048, 7168])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
+from mtpfactory.errors import InputError
 from mtpfactory.kernels.reshape_and_cache import reshape_and_cache
 
 # (k / v dtype, cache dtype): same dtype, and the casts that round (fp32 -> bf16 / fp16) or widen.
@@ -80,6 +81,25 @@ def test_strided_slots():
     k = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(10))
     slots = torch.tensor([[7, 0], [-3, 0], [2, 0]])[:, 0]
     check(k, -k, nan_cache(3, 4, 1, 8, torch.float32), nan_cache(3, 4, 1, 8, torch.float32), slots)
+
+
+@pytest.mark.parametrize("bad", [12, 13, -13, 2**40])
+def test_slot_out_of_range_refused_by_the_reference_and_written_nowhere_by_the_kernel(bad):
+    """Slots lie in [-12, 12) for 3 blocks of 4. The reference refuses another, naming the field; the kernel,
+    which cannot raise without a sync, writes the good rows and nothing for the bad one, neither in the cache
+    nor in the guard blocks around it (a write past the cache would land there)."""
+    k = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(12))
+    slots = torch.tensor([5, bad, 0])
+    with pytest.raises(InputError, match=rf"^slots={bad}: cache slots .* lie in \[-12, 12\)"):
+        reshape_and_cache.reference(k, -k, nan_cache(3, 4, 1, 8, torch.float32), nan_cache(3, 4, 1, 8, torch.float32),
+                                    slots)
+    guarded = [nan_cache(3 * 3, 4, 1, 8, torch.float32) for _ in range(2)]  # blocks 3-5 are the cache
+    with ops.use_backend("triton"):
+        reshape_and_cache(k, -k, guarded[0][3:6], guarded[1][3:6], slots)
+    for g, x in zip(guarded, (k, -k)):
+        flat = g[3:6].reshape(12, 8)
+        assert torch.equal(flat[[5, 0]], x[[0, 2], 0]) and flat[[i for i in range(12) if i not in (0, 5)]].isnan().all()
+        assert g[:3].isnan().all() and g[6:].isnan().all()
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError
+from mtpfactory.errors import ConfigError, InputError
 from mtpfactory.kernels.reshape_and_cache_fp8 import reshape_and_cache_fp8
 
 FP8 = torch.float8_e4m3fn
@@ -134,6 +134,26 @@ def test_triton_slot_minus_one_is_the_last_slot_and_nothing_before_the_cache_is_
     _assert_same((kc.view(torch.uint8), vc.view(torch.uint8)), want[:2])
     for g in guarded:
         assert (g[:2].view(torch.uint8) == NAN_CODE).all() and (g[4:].view(torch.uint8) == NAN_CODE).all()
+
+
+@pytest.mark.parametrize("bad", [4, -5, 2**40])
+def test_slot_out_of_range_refused_by_the_reference_and_written_nowhere_by_the_kernel(bad):
+    """Slots lie in [-4, 4) for 2 blocks of 2. The reference refuses another; the kernel writes nothing for it:
+    not in the cache, its scales, or the guard blocks around them."""
+    k = torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(5))
+    slots = torch.tensor([bad, 1])
+    with pytest.raises(InputError, match=rf"^slots={bad}: cache slots .* lie in \[-4, 4\)"):
+        _run("native", k, -k, slots, 2, 2, True, True)
+    guarded = [_fp8_cache(3 * 2, 2, 1, 16) for _ in range(2)]  # blocks 2, 3 are the cache; the rest guard it
+    scales = [_scale_cache(3 * 2, 2, 1) for _ in range(2)]
+    with ops.use_backend("triton"):
+        reshape_and_cache_fp8(k, -k, guarded[0][2:4], guarded[1][2:4], slots, scales[0][2:4], scales[1][2:4])
+    want = _run("native", k[1:], -k[1:], slots[1:], 2, 2, True, True)
+    _assert_same((guarded[0][2:4].view(torch.uint8), guarded[1][2:4].view(torch.uint8), scales[0][2:4],
+                  scales[1][2:4]), want)
+    for g, s in zip(guarded, scales):
+        assert (g[:2].view(torch.uint8) == NAN_CODE).all() and (g[4:].view(torch.uint8) == NAN_CODE).all()
+        assert s[:2].isnan().all() and s[4:].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8])
