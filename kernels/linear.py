@@ -29,7 +29,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mtpfactory import ops
-from mtpfactory.errors import InputError
+from mtpfactory.errors import InputError, WeightsError
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.ops import Op, triton_can_run
 
@@ -460,15 +460,15 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype. `split_k` cuts K across programs (tall-skinny
     weights); `out` receives the result; `plan` overrides the tiles (tests, sweeps); `weight_scale` (fp32
     [N]) scales each output column, for FP8 weights."""
+    if err := operand_refusal(x, weight, weight_scale):
+        raise err
     m, k = x.shape
     n = weight.shape[0]
-    if weight.shape[1] != k or weight.stride(1) != 1:
-        raise InputError("weight", f"{tuple(weight.shape)} with strides {weight.stride()}",
-                         f"[N, K] with K = {k} as x [{m}, {k}] has, and unit stride along K",
-                         "pass weight.contiguous(), or x of this weight's K")
     out = ops.out_or_empty(out, (m, n), x.dtype, x.device)
     if m == 0 or n == 0:
         return out
+    if (m - 1) * x.stride(0) + (k - 1) * x.stride(1) >= 2**31:      # the kernels index x in int32
+        x = x.contiguous()
     scaled = weight_scale is not None
     if plan is None:            # the planner plans the TMA kernel only where the call can run it
         plan = plan_for(m, n, k, split_k, TILES_FP8 if scaled else TILES_16BIT,
@@ -515,14 +515,38 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     return out
 
 
-def supports_small_m(x: torch.Tensor, k: int) -> bool:
-    """x is a 2-D float [M <= 32, K] activation (any strides: the kernels take both)."""
-    return x.dim() == 2 and x.shape[0] <= MAX_M and x.shape[1] == k and x.dtype in _FLOAT_DTYPES
+def operand_refusal(x: torch.Tensor, weight: torch.Tensor,
+                    weight_scale: torch.Tensor | None = None) -> InputError | WeightsError | None:
+    """Why `linear_triton` cannot take these operands, as the error it raises (the predicates of `linear` and
+    `linear_fp8` say no to the same calls), or None: x a 2-D bf16, fp16 or fp32 [M <= 32, K] (any strides);
+    weight [N, K] with unit stride along K, of x's dtype, or with `weight_scale` float8_e4m3fn beside an fp32
+    [N] scale (on the CPU or a GPU of sm_89 or later, which converts E4M3)."""
+    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+        return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a 2-D bf16, fp16 or fp32 [M, K] tensor",
+                          "flatten the leading dimensions into M")
+    m, k = x.shape
+    if m > MAX_M:
+        return InputError("x", f"{m} rows", f"these kernels take up to {MAX_M}",
+                          "call the op under runtime.backend=auto: it runs the reference for more")
+    scaled = weight_scale is not None
+    want = torch.float8_e4m3fn if scaled else x.dtype
+    if weight.dim() != 2 or weight.dtype != want or weight.shape[1] != k or (k and weight.stride(1) != 1):
+        return WeightsError("weight", f"{weight.dtype} {tuple(weight.shape)}, strides {weight.stride()}",
+                            f"a {want} [N, K = {k}] tensor (x is {x.dtype} [{m}, {k}]) with unit stride along K",
+                            f"pass a {want} weight of K = {k} with unit stride along K (weight.contiguous())")
+    if scaled and (weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (weight.shape[0],)
+                   or not weight_scale.is_contiguous()):
+        return WeightsError("weight_scale", f"{weight_scale.dtype} {tuple(weight_scale.shape)}",
+                            f"a contiguous float32 [N] = [{weight.shape[0]}] tensor, one scale a row",
+                            "pass the scale quantize_fp8 made with this weight")
+    if scaled and x.is_cuda and (cap := torch.cuda.get_device_capability(x.device)) < (8, 9):
+        return InputError("x.device", f"{x.device}, capability {cap}", "FP8 weights need sm_89 or later",
+                          "call the op (`linear_fp8`) under runtime.backend=auto: it runs the reference here")
+    return None
 
 
 def _linear_triton_supports(x: torch.Tensor, weight: torch.Tensor, split_work: bool = True) -> bool:
-    return (triton_can_run(x, weight) and weight.dim() == 2 and weight.is_contiguous()
-            and weight.dtype == x.dtype and supports_small_m(x, weight.shape[1]))
+    return triton_can_run(x, weight) and operand_refusal(x, weight) is None
 
 
 def _linear_triton_op(x: torch.Tensor, weight: torch.Tensor, split_work: bool = True) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpfactory.kernels.linear import GemvPlan, linear_triton, supports_small_m
+from mtpfactory.kernels.linear import GemvPlan, linear_triton, operand_refusal
 from mtpfactory.ops import Op, triton_can_run
 
 
@@ -32,10 +32,7 @@ def linear_fp8_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 
 def _linear_fp8_supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          split_work: bool = True) -> bool:
-    return (triton_can_run(x, weight, weight_scale) and weight.dim() == 2 and weight.is_contiguous()
-            and weight.dtype == torch.float8_e4m3fn and weight_scale.dtype == torch.float32
-            and tuple(weight_scale.shape) == (weight.shape[0],) and weight_scale.is_contiguous()
-            and supports_small_m(x, weight.shape[1]))
+    return triton_can_run(x, weight, weight_scale) and operand_refusal(x, weight, weight_scale) is None
 
 
 def _linear_fp8_triton_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError, InputError
+from mtpfactory.errors import ConfigError, InputError, WeightsError
 from mtpfactory.kernels.linear import (
     TILES_FP8,
     TMA_MAX_N,
@@ -34,6 +34,7 @@ from mtpfactory.kernels.linear import (
     plan_for,
     x_pass_pdl,
 )
+from mtpfactory.kernels.linear_fp8 import linear_fp8
 from mtpfactory.ops import Provider
 from gemv_common import DTYPES, MS, SHAPES, assert_matches, explicit_plans, poisoned
 
@@ -173,13 +174,37 @@ def test_plans_whose_block_m_is_under_m_are_refused(m, block_m):
     assert bool((out == 7.0).all())
 
 
-def test_a_weight_of_another_k_or_strided_along_k_is_refused_by_the_provider():
+def test_operands_the_kernels_cannot_take_are_refused_by_the_provider_as_by_the_predicate():
+    """One rule (`operand_refusal`) for the predicate and the provider: each operand named, nothing written."""
     x, w = make_inputs(2, 7, 16, torch.float32)
-    out = torch.full((2, 7), 7.0)
-    for weight in (w[:, :8], w.t().contiguous().t()):
-        with pytest.raises(InputError, match=r"weight='\(7, (8|16)\) with strides .*: \[N, K\] with K = 16"):
-            linear_triton(x, weight, out=out)
-    assert bool((out == 7.0).all())
+    f8 = w.to(torch.float8_e4m3fn)
+    cases = [((x, w[:, :8]), r"^weight='torch.float32 \(7, 8\), strides \(16, 1\)': a torch.float32 \[N, K = 16\]"),
+             ((x, w.t().contiguous().t()), r"^weight=.*strides \(1, 7\)'.*unit stride along K"),
+             ((x, w.bfloat16()), r"^weight='torch.bfloat16 .*: a torch.float32 \[N, K = 16\]"),
+             ((torch.cat([x] * 17), w), r"^x='34 rows': these kernels take up to 32"),
+             ((x[0], w), r"^x='torch.float32 \(16,\)': a 2-D"),
+             ((x.double(), w.double()), r"^x='torch.float64 .*: a 2-D bf16, fp16 or fp32"),
+             ((x, f8, torch.ones(7, dtype=torch.float64)), r"^weight_scale='torch.float64 \(7,\)'.*float32 \[N\] = \[7\]"),
+             ((x, f8, torch.ones(8)), r"^weight_scale='torch.float32 \(8,\)'"),
+             ((x, w, torch.ones(7)), r"^weight='torch.float32 .*: a torch.float8_e4m3fn \[N, K = 16\]")]
+    for args, match in cases:
+        with ops.use_backend("triton"):
+            assert not (_linear_triton_supports(*args) if len(args) == 2 else
+                        linear_fp8.providers["triton"].supports(*args))
+        out = torch.full((args[0].shape[0] if args[0].dim() == 2 else 1, 7), 7.0, dtype=args[0].dtype)
+        with pytest.raises((InputError, WeightsError), match=match):
+            linear_triton(args[0], args[1], weight_scale=args[2] if len(args) == 3 else None, out=out)
+        assert bool((out == 7.0).all()), match
+
+
+def test_a_weight_with_rows_apart_is_taken():
+    """A weight that is a column slice of a wider tensor (unit stride along K, rows 24 apart): the kernels step
+    between rows by its stride, so the predicate takes it and the result is the reference's."""
+    x, w = make_inputs(3, 7, 24, torch.float32)
+    with ops.use_backend("triton"):
+        assert _linear_triton_supports(x[:, :16], w[:, :16])
+        y = linear(x[:, :16], w[:, :16])
+    assert_matches(y, _linear_native(x[:, :16], w[:, :16]), x[:, :16].abs() @ w[:, :16].abs().T)
 
 
 @pytest.mark.parametrize("plan_k, splits, k_per_split", [(16, 1, 16), (32, 3, 12)])
