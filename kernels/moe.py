@@ -43,7 +43,7 @@ import triton.language as tl
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import e4m3_value
-from mtpfactory.ops import Op, check_out, triton_can_run
+from mtpfactory.ops import Op, check_out, check_outs, triton_can_run, write_outs
 from mtpfactory.quant import dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -71,7 +71,7 @@ def _moe_route_softmax_native(router_logits: torch.Tensor, top_k: int, renormali
     weights = probs.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return (weights, ids) if out is None else (out[0].copy_(weights), out[1].copy_(ids))
+    return write_outs(out, (weights, ids), _ROUTE_OUT_NAMES, "contiguous")
 
 
 def _moe_native(x: torch.Tensor, num_experts: int, expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
@@ -146,10 +146,13 @@ def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: 
 
 # Checks both providers make before they write anything, so that a call means the same under either.
 
+_ROUTE_OUT_NAMES = ("weights", "ids")
+
+
 def _check_route_out(out, n: int, top_k: int, device: torch.device) -> None:
     if out is not None:
-        check_out(out[0], (n, top_k), torch.float32, device, "out[0] (weights)", "contiguous")
-        check_out(out[1], (n, top_k), torch.int64, device, "out[1] (ids)", "contiguous")
+        check_outs(out, (((n, top_k), torch.float32), ((n, top_k), torch.int64)), _ROUTE_OUT_NAMES, device,
+                   "contiguous")
 
 
 def _check_moe_args(x, top_k, inter, shared_out, shared_gate, out, workspace) -> None:

@@ -21,10 +21,12 @@ import triton.language as tl
 
 from mtpfactory import quant
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
-from mtpfactory.ops import Op, check_out, triton_can_run
+from mtpfactory.errors import WeightsError
+from mtpfactory.ops import Op, check_outs, triton_can_run, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_NAMES = ("weight", "weight_scale")
 
 
 # --- e4m3 in integer math (also used by quantize_nvfp4) ----------------------------------------------------
@@ -117,9 +119,17 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, N, K,
         tl.store(q_ptr + offs, e4m3_rne_bits(v).to(tl.uint8), mask=mask)
 
 
+def weight_refusal(w: torch.Tensor, name: str) -> WeightsError | None:
+    """Why the kernel cannot quantize `w`, as the error the provider raises (its predicate says no to the same
+    calls), or None: a 2-D fp32, bf16 or fp16 [N, K] tensor with elements (also quantize_nvfp4's rule)."""
+    if w.dtype not in _DTYPES or w.dim() != 2 or w.numel() == 0:
+        return WeightsError(name, f"{w.dtype} {tuple(w.shape)}", "a 2-D fp32, bf16 or fp16 [N, K] tensor with "
+                            "elements", "pass the unquantized weight")
+    return None
+
+
 def _quantize_fp8_supports(w: torch.Tensor, name: str = "weight", *, out=None) -> bool:
-    return (w.dtype in _DTYPES and w.dim() == 2 and w.numel() > 0
-            and triton_can_run(w, *(out if out is not None else ())))
+    return triton_can_run(w, *(out if out is not None else ())) and weight_refusal(w, name) is None
 
 
 def quantize_fp8_triton(w: torch.Tensor, name: str = "weight", *,
@@ -131,10 +141,11 @@ def quantize_fp8_triton(w: torch.Tensor, name: str = "weight", *,
     on the tensor's absmax before (one more read of `w`), so that a refused call leaves `out` as it was
     without a second copy of the weight's size.
     """
+    if err := weight_refusal(w, name):
+        raise err
     n, k = w.shape
     if out is not None:
-        check_out(out[0], (n, k), torch.float8_e4m3fn, w.device, "out[0] (weight)", "contiguous")
-        check_out(out[1], (n,), torch.float32, w.device, "out[1] (weight_scale)", "contiguous")
+        check_outs(out, (((n, k), torch.float8_e4m3fn), ((n,), torch.float32)), _OUT_NAMES, w.device, "contiguous")
     x = w.contiguous()
     if out is None:
         q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
@@ -158,12 +169,7 @@ def _quantize_fp8_native(w: torch.Tensor, name: str = "weight", *,
                          out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition, `mtpfactory.quant.quantize_fp8`, written into `out` (checked as the Triton provider
     checks it) when given."""
-    q, scale = quant.quantize_fp8(w, name)
-    if out is None:
-        return q, scale
-    check_out(out[0], q.shape, q.dtype, q.device, "out[0] (weight)", "contiguous")
-    check_out(out[1], scale.shape, scale.dtype, scale.device, "out[1] (weight_scale)", "contiguous")
-    return out[0].copy_(q), out[1].copy_(scale)
+    return write_outs(out, quant.quantize_fp8(w, name), _OUT_NAMES, "contiguous")
 
 
 quantize_fp8 = Op("quantize_fp8", _quantize_fp8_native)

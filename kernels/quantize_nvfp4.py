@@ -28,12 +28,11 @@ from mtpfactory.kernels.quantize_fp8 import (
     divides_by_reciprocal,
     fp32_reciprocal,
     global_absmax_bits,
+    weight_refusal,
 )
-from mtpfactory.ops import Op, check_out, triton_can_run
+from mtpfactory.ops import Op, check_outs, triton_can_run, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 from mtpfactory.quant.nvfp4 import E2M1_MAX, NVFP4_BLOCK
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_NAMES = ("weight", "weight_scale", "weight_scale_2")
 
 
@@ -85,9 +84,8 @@ def _refusal(w: torch.Tensor, name: str) -> WeightsError | None:
     """Why the kernels cannot quantize `w`, as the error the provider raises (its predicate says no to the same
     calls), or None: a 2-D fp32, bf16 or fp16 [N, K] tensor with elements, K a multiple of 16 (a block that
     crossed a row would mix two rows' values)."""
-    if w.dtype not in _DTYPES or w.dim() != 2 or w.numel() == 0:
-        return WeightsError(name, f"{w.dtype} {tuple(w.shape)}", "a 2-D fp32, bf16 or fp16 [N, K] tensor with "
-                            "elements", "pass the unquantized weight")
+    if err := weight_refusal(w, name):
+        return err
     if w.shape[1] % NVFP4_BLOCK:
         return WeightsError(f"{name}.shape[1]", w.shape[1], "NVFP4 needs K to be a multiple of 16",
                             "keep this tensor unquantized or pad K")
@@ -116,11 +114,9 @@ def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
         out = (torch.empty(n, k // 2, dtype=torch.uint8, device=w.device),
                torch.empty(n, k // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=w.device),
                torch.empty((), dtype=torch.float32, device=w.device))
+    check_outs(out, (((n, k // 2), torch.uint8), ((n, k // NVFP4_BLOCK), torch.float8_e4m3fn), ((), torch.float32)),
+               _OUT_NAMES, w.device, "contiguous")
     q, scale, global_scale = out
-    for i, (t, shape, dtype) in enumerate(((q, (n, k // 2), torch.uint8),
-                                           (scale, (n, k // NVFP4_BLOCK), torch.float8_e4m3fn),
-                                           (global_scale, (), torch.float32))):
-        check_out(t, shape, dtype, w.device, f"out[{i}] ({_OUT_NAMES[i]})", "contiguous")
 
     amax = global_absmax_bits(x)
     if int(amax) >= FINITE_LIMIT:
@@ -138,12 +134,7 @@ def _quantize_nvfp4_native(w: torch.Tensor, name: str = "weight", *,
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The definition, `mtpfactory.quant.quantize_nvfp4`, written into `out` (checked as the Triton provider
     checks it) when given."""
-    made = quant.quantize_nvfp4(w, name)
-    if out is None:
-        return made
-    for i, (t, m) in enumerate(zip(out, made)):
-        check_out(t, m.shape, m.dtype, m.device, f"out[{i}] ({_OUT_NAMES[i]})", "contiguous")
-    return tuple(t.copy_(m) for t, m in zip(out, made))
+    return write_outs(out, quant.quantize_nvfp4(w, name), _OUT_NAMES, "contiguous")
 
 
 quantize_nvfp4 = Op("quantize_nvfp4", _quantize_nvfp4_native)

@@ -175,6 +175,28 @@ def check_indices(field: str, idx: torch.Tensor, low: int, high: int, means: str
         raise InputError(field, lo if lo < low else hi, f"{means} lie in [{low}, {high})", fix)
 
 
+def check_outs(out: tuple[torch.Tensor, ...], like: tuple[tuple[tuple[int, ...], torch.dtype], ...],
+               names: tuple[str, ...], device: torch.device, layout: str = "any") -> None:
+    """`check_out` for an op of several results: `out` holds one tensor for each (shape, dtype) of `like`, each
+    checked as `out[i] (names[i])`."""
+    if not isinstance(out, (tuple, list)) or len(out) != len(like):
+        raise InputError("out", f"{len(out)} tensors" if isinstance(out, (tuple, list)) else f"a {type(out).__name__}",
+                         f"a tuple ({', '.join(names)}) of {len(like)} tensors",
+                         "allocate them as the op returns its results, or leave out=None")
+    for i, (o, (shape, dtype)) in enumerate(zip(out, like)):
+        check_out(o, shape, dtype, device, f"out[{i}] ({names[i]})", layout)
+
+
+def write_outs(out: tuple[torch.Tensor, ...] | None, results: tuple[torch.Tensor, ...], names: tuple[str, ...],
+               layout: str = "any") -> tuple[torch.Tensor, ...]:
+    """`write_out` for a reference of several results: every `out[i]` checked (`check_outs`) before any is
+    written, then copied into; `results` themselves when `out` is None."""
+    if out is None:
+        return results
+    check_outs(out, tuple((r.shape, r.dtype) for r in results), names, results[0].device, layout)
+    return tuple(o.copy_(r) for o, r in zip(out, results))
+
+
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

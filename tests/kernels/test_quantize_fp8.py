@@ -13,7 +13,7 @@ import torch
 
 from mtpfactory import ops, quant
 from mtpfactory.errors import ConfigError, InputError, WeightsError
-from mtpfactory.kernels.quantize_fp8 import divides_by_reciprocal, quantize_fp8
+from mtpfactory.kernels.quantize_fp8 import divides_by_reciprocal, quantize_fp8, quantize_fp8_triton
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -117,6 +117,22 @@ def test_refusals(device):
         quantize_fp8(torch.ones(8, device=device))                    # 1-D: no provider
     with ops.use_backend("triton"), pytest.raises(InputError, match="weight_scale"):
         quantize_fp8(torch.ones(3, 8, device=device), out=(poisoned(3, 8, device)[0], poisoned(4, 8, device)[1]))
+
+
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_an_out_of_another_arity_or_a_weight_the_kernel_cannot_take_is_refused_by_every_provider(backend):
+    """`out` must be the (weight, weight_scale) pair, checked before anything is written; the provider called
+    directly refuses a tensor its predicate refuses, naming it."""
+    w = random_weight(4, 24, torch.float32, seed=11)
+    out = poisoned(4, 24, "cpu")
+    for bad in (out[:1], (*out, out[1]), out[0]):
+        with ops.use_backend(backend), pytest.raises(InputError, match=r"^out=.*a tuple \(weight, weight_scale\) of 2"):
+            quantize_fp8(w, out=bad)
+    assert (out[0].view(torch.uint8) == 0xFF).all() and (out[1].view(torch.int32) == -1).all()
+    if backend == "triton":
+        for bad in (w[0], w.double(), w[:0]):
+            with pytest.raises(WeightsError, match=r"^q_proj=.*a 2-D fp32, bf16 or fp16 \[N, K\] tensor"):
+                quantize_fp8_triton(bad, "q_proj")
 
 
 @pytest.mark.parametrize("device", DEVICES)
