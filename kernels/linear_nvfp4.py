@@ -1176,10 +1176,31 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 
 def _linear_nvfp4_launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          weight_scale_2: torch.Tensor, split_k: bool, out: torch.Tensor | None,
-                         plan: GemvPlan | None, x_pairs: XPairs | None, planned_here: bool = False) -> torch.Tensor:
+                         plan: GemvPlan | None, x_pairs: XPairs | None) -> torch.Tensor:
     """`linear_nvfp4_triton` on operands `operand_refusal` passed (the op's predicate checked them: one check a
-    call). `planned_here`: `plan` is `planned`'s for these operands (the fused op planned it for its norm's
-    pairs), so it is neither checked nor made again."""
+    call): a given `plan` checked, else the call's own (`planned`)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m and n and k:                                                # an empty call launches nothing
+        if plan is None:
+            plan, why = planned(x, n, k, split_k, weight, weight_scale)
+            if why and x_pairs is not None and x_pairs.order:
+                raise ValueError(f"x_pairs: made in the wgmma kernel's order ({x_pairs.order}), which cannot run "
+                                 f"here: {why}")
+        else:
+            if err := plan_refusal(plan, m, k, x.dtype in (torch.bfloat16, torch.float16)):
+                raise err
+            if plan.wgmma and (why := wgmma_refusal(x, k, plan, weight.view(torch.int32),
+                                                    weight_scale.view(torch.uint8))):
+                raise ValueError(f"plan: wgmma = True, but {why}: plan without it (default_plan sets it where it "
+                                 "runs)")
+    return _run_planned(x, weight, weight_scale, weight_scale_2, out, plan, x_pairs)
+
+
+def _run_planned(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                 out: torch.Tensor | None, plan: GemvPlan | None, x_pairs: XPairs | None) -> torch.Tensor:
+    """The call on a plan made or checked for these operands (`_linear_nvfp4_launch`; the fused op plans once for
+    its norm's pairs and the GEMV); None only for an empty call."""
     m, k = x.shape
     n = weight.shape[0]
     out = out_or_empty(out, (m, n), x.dtype, x.device)
@@ -1187,31 +1208,19 @@ def _linear_nvfp4_launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
         return out
     if k == 0:
         return out.zero_()
-    x16 = x.dtype in (torch.bfloat16, torch.float16)
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
-    given = plan is not None and not planned_here                   # by a caller: checked
-    if given and (err := plan_refusal(plan, m, k, x16)):
-        raise err
-    if plan is None:
-        plan, why = planned(x, n, k, split_k, weight, weight_scale)
-        if why and x_pairs is not None and x_pairs.order:
-            raise ValueError(f"x_pairs: made in the wgmma kernel's order ({x_pairs.order}), which cannot run "
-                             f"here: {why}")
     stride_xm, stride_xk = x.stride()
     if (m - 1) * stride_xm + (k - 1) * stride_xk >= 2**31:          # the kernels index x in int32
         x = x.contiguous()
     x_pass = runs_x_pass(x, n, k, plan)
+    order = _pairs_order(plan)
     if x_pairs is not None:
         if not x_pass:
             raise ValueError(f"x_pairs: given for [{m}, {k}] {x.dtype} x on an [{n}, {k}] weight, whose plan runs no "
                              "x pass (16-bit x does on the GEMV of several rows and the wgmma kernel, and on a "
                              f"weight of {LM_HEAD_MIN_ELEMENTS} elements or more on the one-row GEMV and on "
                              "tensor-core tiles of 32 rows): pass x_pairs=None")
-    if given and plan.wgmma and (why := wgmma_refusal(x, k, plan, words, scale_bits)):
-        raise ValueError(f"plan: wgmma = True, but {why}: plan without it (default_plan sets it where it runs)")
-    order = _pairs_order(plan)
-    if x_pairs is not None:
         x_pairs.check(m, k, plan.k_per_split, x.device, order)
     part = partial_buffer(plan, m, n, x)                              # None for the wgmma kernel: one slice
     scale_2 = weight_scale_2.reshape(1)

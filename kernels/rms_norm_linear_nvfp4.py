@@ -18,9 +18,9 @@ import torch
 
 from mtpfactory.kernels.linear import x_pass_pdl
 from mtpfactory.kernels.linear_nvfp4 import (
-    _linear_nvfp4_launch,
     _linear_nvfp4_native,
     _linear_nvfp4_supports,
+    _run_planned,
     operand_refusal,
     planned,
     x_pairs_for,
@@ -59,13 +59,12 @@ def _rms_norm_linear_nvfp4(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     the norm's shape and dtype)."""
     m, k = x.shape
     n = weight.shape[0]
-    plan = planned(x, n, k, split_work, weight, weight_scale)[0] if m else None   # once, for the pairs and GEMV
+    plan = planned(x, n, k, split_work, weight, weight_scale)[0] if m and n else None   # once: pairs and GEMV
     x_pairs = None if plan is None else x_pairs_for(x, n, k, plan)
     pdl = x_pairs is not None and x_pass_pdl(x)
     normed = rms_norm_triton(x, norm_weight, eps, zero_centred, residual, x_pairs=x_pairs, pdl=pdl)
     y = normed if residual is None else normed[0]
-    logits = _linear_nvfp4_launch(y, weight, weight_scale, weight_scale_2, split_work, None, plan, x_pairs,
-                                  planned_here=plan is not None)
+    logits = _run_planned(y, weight, weight_scale, weight_scale_2, None, plan, x_pairs)
     return (logits, y) if residual is None else (logits, *normed)
 
 

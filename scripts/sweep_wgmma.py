@@ -68,7 +68,7 @@ def x_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def wgmma_call(x: torch.Tensor, t: tuple, tile: WgmmaTile, out: torch.Tensor, launch=gemm_nvfp4_wgmma):
     """One launch of the kernel at `tile` on x's pairs made beforehand, launched as the planner launches it
-    (`_linear_nvfp4_launch`: a programmatic dependent launch where `x_pass_pdl` allows), so that in a graph each
+    (`_run_planned`: a programmatic dependent launch where `x_pass_pdl` allows), so that in a graph each
     call may start while the one before it ends, as the planner's rows do."""
     x16, exps = x_pairs(x)
     weight, scale, scale_2 = t

@@ -37,7 +37,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
     uses_f16_gemv,
 )
 from mtpfactory.ops import Provider
-from mtpfactory.quant import dequantize_nvfp4, quantize_nvfp4
+from mtpfactory.quant import dequantize_nvfp4
 from gemv_common import (
     DTYPES,
     F16_SUM_RTOL,
