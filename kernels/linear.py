@@ -515,19 +515,26 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     return out
 
 
+def x_refusal(x: torch.Tensor, op: str) -> InputError | None:
+    """Why the small-M kernels of `op` cannot take x, or None: a 2-D bf16, fp16 or fp32 [M <= 32, K] tensor."""
+    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+        return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a 2-D bf16, fp16 or fp32 [M, K] tensor",
+                          "flatten the leading dimensions into M")
+    if x.shape[0] > MAX_M:
+        return InputError("x", f"{x.shape[0]} rows", f"the {op} kernels take up to {MAX_M}",
+                          f"call the op (`{op}`) under runtime.backend=auto: it runs the reference for more")
+    return None
+
+
 def operand_refusal(x: torch.Tensor, weight: torch.Tensor,
                     weight_scale: torch.Tensor | None = None) -> InputError | WeightsError | None:
     """Why `linear_triton` cannot take these operands, as the error it raises (the predicates of `linear` and
     `linear_fp8` say no to the same calls), or None: x a 2-D bf16, fp16 or fp32 [M <= 32, K] (any strides);
     weight [N, K] with unit stride along K, of x's dtype, or with `weight_scale` float8_e4m3fn beside an fp32
     [N] scale (on the CPU or a GPU of sm_89 or later, which converts E4M3)."""
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
-        return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a 2-D bf16, fp16 or fp32 [M, K] tensor",
-                          "flatten the leading dimensions into M")
+    if err := x_refusal(x, "linear_fp8" if weight_scale is not None else "linear"):
+        return err
     m, k = x.shape
-    if m > MAX_M:
-        return InputError("x", f"{m} rows", f"these kernels take up to {MAX_M}",
-                          "call the op under runtime.backend=auto: it runs the reference for more")
     scaled = weight_scale is not None
     want = torch.float8_e4m3fn if scaled else x.dtype
     if weight.dim() != 2 or weight.dtype != want or weight.shape[1] != k or (k and weight.stride(1) != 1):

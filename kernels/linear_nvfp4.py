@@ -76,6 +76,7 @@ from mtpfactory.kernels.linear import (
     tma_layout_refusal,
     x_exponent,
     x_pass_pdl,
+    x_refusal,
     x_scan_block,
 )
 from mtpfactory.ops import Op, out_or_empty, triton_can_run
@@ -1086,9 +1087,6 @@ def _default_plan(m: int, n: int, k: int, split_k: bool, lm_head: bool, sm90_lm_
     return plan
 
 
-_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 @functools.lru_cache(maxsize=None)
 def device_refusal(device: torch.device) -> InputError | None:
     """Why the kernels cannot run on `device`, or None: the CPU (the interpreter) or a GPU whose PTX the
@@ -1106,13 +1104,9 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     uint8 [N, K/2], K a multiple of 16, unit stride along K, rows on 4-byte boundaries (read as int32 words);
     weight_scale float8_e4m3fn [N, K/16], unit stride along K; weight_scale_2 one fp32 number; x on the CPU
     (the interpreter) or a GPU of sm_90 or later (the inline PTX)."""
-    if x.dim() != 2 or x.dtype not in _X_DTYPES:
-        return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a 2-D bf16, fp16 or fp32 [M, K] tensor",
-                          "flatten the leading dimensions into M")
+    if err := x_refusal(x, "linear_nvfp4"):
+        return err
     m, k = x.shape
-    if m > MAX_M:
-        return InputError("x", f"{m} rows", f"the NVFP4 kernels take up to {MAX_M}",
-                          "call the op (`linear_nvfp4`) under runtime.backend=auto: it runs the reference for more")
     if weight.dtype != torch.uint8 or weight.dim() != 2:
         return WeightsError("weight", f"{weight.dtype} {tuple(weight.shape)}", "a 2-D uint8 [N, K/2] tensor",
                             "pass the checkpoint's packed weight")

@@ -181,7 +181,7 @@ def test_operands_the_kernels_cannot_take_are_refused_by_the_provider_as_by_the_
     cases = [((x, w[:, :8]), r"^weight='torch.float32 \(7, 8\), strides \(16, 1\)': a torch.float32 \[N, K = 16\]"),
              ((x, w.t().contiguous().t()), r"^weight=.*strides \(1, 7\)'.*unit stride along K"),
              ((x, w.bfloat16()), r"^weight='torch.bfloat16 .*: a torch.float32 \[N, K = 16\]"),
-             ((torch.cat([x] * 17), w), r"^x='34 rows': these kernels take up to 32"),
+             ((torch.cat([x] * 17), w), r"^x='34 rows': the linear kernels take up to 32"),
              ((x[0], w), r"^x='torch.float32 \(16,\)': a 2-D"),
              ((x.double(), w.double()), r"^x='torch.float64 .*: a 2-D bf16, fp16 or fp32"),
              ((x, f8, torch.ones(7, dtype=torch.float64)), r"^weight_scale='torch.float64 \(7,\)'.*float32 \[N\] = \[7\]"),
