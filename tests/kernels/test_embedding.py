@@ -3,6 +3,8 @@ rows must be bit-equal to index_select's. Outputs poisoned with NaN."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,13 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels.embedding import embedding
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                 reason="Triton on the CPU needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
 
 
 def run(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -63,19 +72,20 @@ def test_strided_ids_and_out_which_every_provider_takes(backend):
                 embedding(ids, table, out=bad)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [-1, 5, 2**40])
-def test_id_out_of_range_refused_by_the_reference_and_a_zero_row_from_the_kernel(bad):
+def test_id_out_of_range_refused_by_the_reference_and_a_zero_row_from_the_kernel(bad, device):
     """Ids lie in [0, 5). The reference refuses another, naming the field; the kernel, which cannot raise
     without a sync, writes zeros for that row and reads nothing outside the table: the table is rows 2-6 of a
     NaN-filled tensor, so a read before or past it would show as NaN."""
-    wide = torch.full((9, 6), float("nan"))
+    wide = torch.full((9, 6), float("nan"), device=device)
     table = wide[2:7]
     table.copy_(torch.randn(5, 6, generator=torch.Generator().manual_seed(3)))
-    ids = torch.tensor([4, bad, 0])
+    ids = torch.tensor([4, bad, 0], device=device)
     with pytest.raises(InputError, match=rf"^ids={bad}: token ids of this 5-row table lie in \[0, 5\)"):
         embedding.reference(ids, table)
     got = run(ids, table)
-    assert bits_equal(got[[0, 2]], table[[4, 0]]) and torch.equal(got[1], torch.zeros(6))
+    assert bits_equal(got[[0, 2]], table[[4, 0]]) and torch.equal(got[1], torch.zeros(6, device=device))
 
 
 @pytest.mark.gpu

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 
+import os
+
 import pytest
 import torch
 
@@ -29,6 +31,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 FP8 = torch.float8_e4m3fn
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                 reason="Triton on the CPU needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
 
 
 def make_case(b: int, hq: int, hkv: int, d: int, bs: int, ctx: list[int], kv: str, q_dtype: torch.dtype,
@@ -204,36 +213,39 @@ def test_output_in_q_dtype_whatever_the_gate_and_out_which_every_provider_takes(
                 paged_decode_attention(*args, out=bad)
 
 
-def test_context_past_the_block_table_refused_by_the_reference_and_clamped_by_the_kernel():
+@pytest.mark.parametrize("device", DEVICES)
+def test_context_past_the_block_table_refused_by_the_reference_and_clamped_by_the_kernel(device):
     """Tables of 2 blocks of 4 hold 8 tokens. The reference refuses a longer context; the kernel, which cannot
     raise without a sync, attends to the 8 the table holds. The tables are the first 2 columns of a wider
     tensor whose third column names block 0, which is NaN: a read past a row's width would show."""
     q, k, v, tables, lens, scale, gate, _, _ = make_case(2, 4, 2, 16, 4, [8, 8], "bf16", torch.bfloat16, seed=6,
-                                                         spare_cols=0)
-    wide = torch.zeros(2, 3, dtype=tables.dtype)
+                                                         spare_cols=0, device=device)
+    wide = torch.zeros(2, 3, dtype=tables.dtype, device=device)
     wide[:, :2] = tables
-    long = torch.tensor([11, 9], dtype=lens.dtype)
+    long = torch.tensor([11, 9], dtype=lens.dtype, device=device)
     with pytest.raises(InputError, match=r"^context_lens=11: token counts that 2 blocks of 4 hold lie in \[0, 9\)"):
         run_native(q, k, v, wide[:, :2], long, scale, gate)
     got = run_triton(q, k, v, wide[:, :2], long, scale, gate)
     torch.testing.assert_close(got, run_native(q, k, v, wide[:, :2], lens, scale, gate), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [-1, "nb"])
-def test_block_id_out_of_range_refused_by_the_reference_and_its_tokens_dropped_by_the_kernel(bad):
+def test_block_id_out_of_range_refused_by_the_reference_and_its_tokens_dropped_by_the_kernel(bad, device):
     """A row whose second block id lies outside the cache: the reference refuses it; the kernel drops that
     block's tokens, so the row attends to its first block alone. The caches are blocks 1 to nb of a tensor
     whose first and last blocks are NaN, where block -1 or nb would read."""
-    q, k, v, tables, lens, scale, gate, _, _ = make_case(2, 4, 2, 16, 4, [8, 6], "bf16", torch.bfloat16, seed=7)
+    q, k, v, tables, lens, scale, gate, _, _ = make_case(2, 4, 2, 16, 4, [8, 6], "bf16", torch.bfloat16, seed=7,
+                                                         device=device)
     nb = k.shape[0]
-    guarded = [torch.full((nb + 2, *k.shape[1:]), float("nan"), dtype=k.dtype) for _ in range(2)]
+    guarded = [torch.full((nb + 2, *k.shape[1:]), float("nan"), dtype=k.dtype, device=device) for _ in range(2)]
     kg, vg = guarded[0][1:nb + 1], guarded[1][1:nb + 1]
     kg.copy_(k), vg.copy_(v)
     tables[0, 1] = nb if bad == "nb" else bad
     with pytest.raises(InputError, match=rf"^block_tables\[0\]={tables[0, 1].item()}: the ids .* lie in \[0, {nb}\)"):
         run_native(q, kg, vg, tables, lens, scale, gate)
     got = run_triton(q, kg, vg, tables, lens, scale, gate)
-    first_block_only = torch.tensor([4, 6], dtype=lens.dtype)
+    first_block_only = torch.tensor([4, 6], dtype=lens.dtype, device=device)
     torch.testing.assert_close(got, run_native(q, kg, vg, tables, first_block_only, scale, gate), **TOL[torch.bfloat16])
 
 

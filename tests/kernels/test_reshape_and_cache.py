@@ -4,6 +4,8 @@ slot must hold the rows, every other slot must still be NaN."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,6 +19,13 @@ CASTS = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torc
          (torch.bfloat16, torch.float16)]
 # (N, kv_heads, D, blocks, block_size)
 SHAPES = [(1, 1, 1, 1, 1), (5, 2, 7, 3, 4), (33, 3, 64, 5, 8), (5, 1, 130, 2, 16)]
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                 reason="Triton on the CPU needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -83,17 +92,18 @@ def test_strided_slots():
     check(k, -k, nan_cache(3, 4, 1, 8, torch.float32), nan_cache(3, 4, 1, 8, torch.float32), slots)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [12, 13, -13, 2**40])
-def test_slot_out_of_range_refused_by_the_reference_and_written_nowhere_by_the_kernel(bad):
+def test_slot_out_of_range_refused_by_the_reference_and_written_nowhere_by_the_kernel(bad, device):
     """Slots lie in [-12, 12) for 3 blocks of 4. The reference refuses another, naming the field; the kernel,
     which cannot raise without a sync, writes the good rows and nothing for the bad one, neither in the cache
     nor in the guard blocks around it (a write past the cache would land there)."""
-    k = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(12))
-    slots = torch.tensor([5, bad, 0])
+    k = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(12)).to(device)
+    slots = torch.tensor([5, bad, 0], device=device)
     with pytest.raises(InputError, match=rf"^slots={bad}: cache slots .* lie in \[-12, 12\)"):
-        reshape_and_cache.reference(k, -k, nan_cache(3, 4, 1, 8, torch.float32), nan_cache(3, 4, 1, 8, torch.float32),
-                                    slots)
-    guarded = [nan_cache(3 * 3, 4, 1, 8, torch.float32) for _ in range(2)]  # blocks 3-5 are the cache
+        reshape_and_cache.reference(k, -k, nan_cache(3, 4, 1, 8, torch.float32, device),
+                                    nan_cache(3, 4, 1, 8, torch.float32, device), slots)
+    guarded = [nan_cache(3 * 3, 4, 1, 8, torch.float32, device) for _ in range(2)]  # blocks 3-5 are the cache
     with ops.use_backend("triton"):
         reshape_and_cache(k, -k, guarded[0][3:6], guarded[1][3:6], slots)
     for g, x in zip(guarded, (k, -k)):

@@ -4,6 +4,8 @@ interpreter too (whose own fp32 -> fp8 cast rounds 1.0625 to 1.125, DESIGN 4): n
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,13 @@ from mtpfactory.kernels.reshape_and_cache_fp8 import reshape_and_cache_fp8
 
 FP8 = torch.float8_e4m3fn
 NAN_CODE = 0x7F  # E4M3 (fn) NaN: the poison every unwritten byte must keep
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                 reason="Triton on the CPU needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
 
 
 def _fp8_cache(nb: int, bs: int, h: int, d: int, device="cpu") -> torch.Tensor:
@@ -136,16 +145,17 @@ def test_triton_slot_minus_one_is_the_last_slot_and_nothing_before_the_cache_is_
         assert (g[:2].view(torch.uint8) == NAN_CODE).all() and (g[4:].view(torch.uint8) == NAN_CODE).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [4, -5, 2**40])
-def test_slot_out_of_range_refused_by_the_reference_and_written_nowhere_by_the_kernel(bad):
+def test_slot_out_of_range_refused_by_the_reference_and_written_nowhere_by_the_kernel(bad, device):
     """Slots lie in [-4, 4) for 2 blocks of 2. The reference refuses another; the kernel writes nothing for it:
     not in the cache, its scales, or the guard blocks around them."""
-    k = torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(5))
-    slots = torch.tensor([bad, 1])
+    k = torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(5)).to(device)
+    slots = torch.tensor([bad, 1], device=device)
     with pytest.raises(InputError, match=rf"^slots={bad}: cache slots .* lie in \[-4, 4\)"):
         _run("native", k, -k, slots, 2, 2, True, True)
-    guarded = [_fp8_cache(3 * 2, 2, 1, 16) for _ in range(2)]  # blocks 2, 3 are the cache; the rest guard it
-    scales = [_scale_cache(3 * 2, 2, 1) for _ in range(2)]
+    guarded = [_fp8_cache(3 * 2, 2, 1, 16, device) for _ in range(2)]  # blocks 2, 3 are the cache; the rest guard it
+    scales = [_scale_cache(3 * 2, 2, 1, device) for _ in range(2)]
     with ops.use_backend("triton"):
         reshape_and_cache_fp8(k, -k, guarded[0][2:4], guarded[1][2:4], slots, scales[0][2:4], scales[1][2:4])
     want = _run("native", k[1:], -k[1:], slots[1:], 2, 2, True, True)
