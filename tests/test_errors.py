@@ -237,6 +237,17 @@ def test_every_missing_tensor_is_named_at_once_and_the_fused_experts_are_offered
             "fused experts.gate_up_proj")
 
 
+def test_a_missing_tensor_stands_in_as_zeros_that_take_no_memory():
+    """Until `finish` names it, a missing tensor is one zero broadcast to its shape: a checkpoint without its
+    fused experts (1 GiB at Qwen3-Next's 512) allocates nothing for them before the refusal."""
+    from mtpfactory.weights.source import TensorSource
+    src = TensorSource({}, "a test")
+    t = src.take("mtp.layers.0.mlp.experts.gate_up_proj", (512, 1024, 2048), torch.bfloat16, torch.device("cpu"))
+    assert t.shape == (512, 1024, 2048) and t.dtype == torch.bfloat16 and t.stride() == (0, 0, 0)
+    assert t.untyped_storage().nbytes() == 2 and not t[-1, -1, -1]
+    refused(WeightsError, src.finish, "mtp.layers.0.mlp.experts.gate_up_proj=None", "missing from a test")
+
+
 def test_a_registered_head_cannot_keep_the_zeros_of_a_missing_tensor(monkeypatch):
     """build_head refuses after any builder, so a head registered from outside that reads a tensor the weights
     lack is refused like a built-in one, instead of running on the zeros that stand in for it."""

@@ -33,7 +33,8 @@ class TensorSource:
     """A mapping of checkpoint names to tensors, read through `take` (dtype-, shape- and finiteness-checked).
 
     A missing tensor does not stop the build at once: `take` records it and hands out zeros of the expected
-    shape, and `finish` refuses naming every missing tensor, so a user fixes a checkpoint in one round."""
+    shape (one element broadcast, so a checkpoint without its experts does not allocate them), and `finish`
+    refuses naming every missing tensor, so a user fixes a checkpoint in one round."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], origin: str = "the weights") -> None:
         self._tensors = tensors
@@ -63,11 +64,11 @@ class TensorSource:
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The tensor `name`, checked (a float dtype, `shape`, finite in `dtype`), converted to dtype and device;
-        zeros, recorded for `finish`, when it is missing."""
+        read-only zeros (a zero-stride view of one element), recorded for `finish`, when it is missing."""
         key = self._resolve(name)
         if key is None:
             self.missing.append(name)
-            return torch.zeros(shape, dtype=dtype, device=device)
+            return torch.zeros((), dtype=dtype, device=device).expand(shape)
         t = self._tensors[key]
         self._check_format(key, t)
         if tuple(t.shape) != tuple(shape):
