@@ -53,8 +53,7 @@ class DraftHead(nn.Module):
     @torch.inference_mode()
     def prefill(self, seq_id: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> None:
         """Write rows at consecutive `positions` (row p: hidden h_p with token x_{p+1}) into the drafter's KV."""
-        tokens, hidden, positions = self._check_rows(tokens, hidden, positions)
-        p = positions.tolist()
+        tokens, hidden, positions, p = self._check_rows(tokens, hidden, positions)
         if p != list(range(p[0], p[0] + len(p))):
             raise InputError("positions", p if len(p) <= 8 else f"{p[:8]}...", "prefill positions must be "
                              "consecutive (p, p+1, ..., q)", "split the rows into consecutive runs")
@@ -62,7 +61,7 @@ class DraftHead(nn.Module):
         with self.cache.writing([plan]):
             if self.prefill_scratch is None:  # row by row through the decode path
                 for i in range(len(p)):
-                    self._step_checked([plan.seq_id], tokens[i:i + 1], hidden[i:i + 1], positions[i:i + 1])
+                    self._step_checked([plan.seq_id], tokens[i:i + 1], hidden[i:i + 1], positions[i:i + 1], p[i:i + 1])
                 return
             slots = self.cache.commit(plan)
             c = self.prefill_scratch.rows
@@ -75,10 +74,9 @@ class DraftHead(nn.Module):
              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One row per sequence. Returns (logits [B, draft_vocab], hidden_out [B, H])."""
         ids = self._check_seq_ids(seq_ids)
-        tokens, hidden, positions = self._check_rows(tokens, hidden, positions, batch=len(ids))
-        plans = [WritePlan(i, p, p) for i, p in zip(ids, positions.tolist())]
-        with self.cache.writing(plans):
-            return self._step_checked(ids, tokens, hidden, positions)
+        tokens, hidden, positions, plist = self._check_rows(tokens, hidden, positions, batch=len(ids))
+        with self.cache.writing([WritePlan(i, p, p) for i, p in zip(ids, plist)]):
+            return self._step_checked(ids, tokens, hidden, positions, plist)
 
     @torch.inference_mode()
     def propose(self, seq_ids: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -86,18 +84,22 @@ class DraftHead(nn.Module):
         """k chained steps, each feeding back its argmax token and output hidden at position + 1.
         Returns the drafted tokens, int64 [B, k]."""
         ids = self._check_seq_ids(seq_ids)
-        tokens, hidden, positions = self._check_rows(tokens, hidden, positions, batch=len(ids))
-        if not isinstance(k, int) or k < 1:
+        tokens, hidden, positions, plist = self._check_rows(tokens, hidden, positions, batch=len(ids))
+        k = _as_int(k, "k")
+        if k < 1:
             raise InputError("k", k, "must be an int >= 1", "ask for at least one draft token")
-        plans = [WritePlan(i, p, p + k - 1) for i, p in zip(ids, positions.tolist())]
+        for i, p in zip(ids, plist):
+            if p < self.max_seq_len < p + k:
+                raise InputError("k", k, f"sequence {i} would draft positions {p} to {p + k - 1}, and positions lie "
+                                 f"below runtime.max_seq_len={self.max_seq_len}: k <= {self.max_seq_len - p} here",
+                                 "ask for fewer drafts, or raise runtime.max_seq_len")
         drafts = []
-        with self.cache.writing(plans):
-            for _ in range(k):
-                logits, hidden = self._step_checked(ids, tokens, hidden, positions)
+        with self.cache.writing([WritePlan(i, p, p + k - 1) for i, p in zip(ids, plist)]):
+            for j in range(k):
+                logits, hidden = self._step_checked(ids, tokens, hidden, positions + j, [p + j for p in plist])
                 with ops.running(self.backend, self.device):
                     tokens = argmax(logits)
                 drafts.append(tokens)
-                positions = positions + 1
         return torch.stack(drafts, dim=1)
 
     def truncate(self, seq_id: int, length: int) -> None:
@@ -116,29 +118,24 @@ class DraftHead(nn.Module):
         raise NotImplementedError
 
     # --- internals -----------------------------------------------------------------------------------
-    def _step_checked(self, ids: list[int], tokens, hidden, positions):
-        plist = positions.tolist()
+    def _step_checked(self, ids: list[int], tokens, hidden, positions, plist: list[int]):
+        """One decode step of checked rows: `positions` on the device, `plist` the same on the host (no sync)."""
         slots = torch.cat([self.cache.commit(WritePlan(i, p, p)) for i, p in zip(ids, plist)])
-        starts = torch.tensor([self.cache.seqs[i].start for i in ids], device=self.device)
-        context_lens = positions - starts + 1
+        context_lens = torch.tensor([p - self.cache.seqs[i].start + 1 for i, p in zip(ids, plist)],
+                                    device=self.device)  # after the commits: a cold sequence's first write sets start
         with ops.running(self.backend, self.device):
             return self._forward(tokens, hidden, positions, slots, self.cache.block_table(ids), context_lens)
 
     def _check_seq_ids(self, seq_ids) -> list[int]:
-        ids = torch.as_tensor(seq_ids)
-        if ids.dim() != 1 or ids.dtype not in INT_DTYPES or ids.numel() == 0:
-            raise InputError("seq_ids", seq_ids, "a non-empty 1-D integer tensor [B]", "pass torch.tensor([id, ...])")
+        ids = _int_rows("seq_ids", seq_ids, "pass torch.tensor([id, ...])")
         return [int(i) for i in ids.tolist()]
 
     def _check_rows(self, tokens, hidden, positions, batch: int | None = None):
-        tokens, positions = torch.as_tensor(tokens), torch.as_tensor(positions)
-        n = tokens.shape[0] if tokens.dim() == 1 else -1
-        for name, t in (("tokens", tokens), ("positions", positions)):
-            wrong_rows = batch is not None and t.numel() != batch
-            if t.dim() != 1 or t.dtype not in INT_DTYPES or t.numel() == 0 or wrong_rows:
-                raise InputError(name, f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}",
-                                 "a non-empty 1-D integer tensor"
-                                 f"{f' of {batch} rows' if batch else ''}", f"pass {name} as a LongTensor [rows]")
+        """The rows checked: (tokens int64 and positions int64 on the device, hidden, positions on the host).
+        One sync each for tokens and positions given on a GPU (their range checks), none for CPU tensors."""
+        tokens = _int_rows("tokens", tokens, "pass tokens as a LongTensor [rows]", batch)
+        positions = _int_rows("positions", positions, "pass positions as a LongTensor [rows]", batch)
+        n = tokens.shape[0]
         if positions.numel() != n:
             raise InputError("positions.shape", tuple(positions.shape), f"one position per token ({n})",
                              "pass one position per row")
@@ -148,13 +145,27 @@ class DraftHead(nn.Module):
         if hidden.dtype != self.dtype or hidden.device.type != self.device.type:
             raise InputError("hidden", f"{hidden.dtype} on {hidden.device}", f"the head runs {self.dtype} on "
                              f"{self.device}", f"pass hidden.to({self.device.type!r}, {self.dtype})")
-        bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)]
-        if bad.numel():
-            raise InputError("tokens", int(bad[0]), f"token ids must lie in [0, vocab_size={self.vocab_size})",
+        tokens = tokens.to(torch.int64)  # before any arithmetic: a uint8 or int8 id would wrap
+        lo, hi = torch.stack(torch.aminmax(tokens)).tolist()
+        if lo < 0 or hi >= self.vocab_size:
+            raise InputError("tokens", lo if lo < 0 else hi, f"token ids must lie in [0, vocab_size={self.vocab_size})",
                              "check the tokenizer matches the model preset")
-        if bool((positions < 0).any()):
-            raise InputError("positions", int(positions.min()), "must be >= 0", "pass absolute positions")
-        return tokens.to(self.device), hidden, positions.to(self.device)
+        plist = positions.tolist()
+        if min(plist) < 0:
+            raise InputError("positions", min(plist), "must be >= 0", "pass absolute positions")
+        return tokens.to(self.device), hidden, positions.to(self.device, torch.int64), plist
+
+
+def _int_rows(name: str, value, fix: str, batch: int | None = None) -> torch.Tensor:
+    """`value` as a non-empty 1-D integer tensor (of `batch` rows when given), or an InputError naming `name`."""
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InputError(name, value, f"a non-empty 1-D integer tensor ({e})", fix) from None
+    if t.dim() != 1 or t.dtype not in INT_DTYPES or t.numel() == 0 or (batch is not None and t.numel() != batch):
+        raise InputError(name, f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}",
+                         f"a non-empty 1-D integer tensor{f' of {batch} rows' if batch else ''}", fix)
+    return t
 
 
 def _as_int(value, field: str) -> int:

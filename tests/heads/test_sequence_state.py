@@ -425,3 +425,41 @@ def test_batched_propose(head):
     head.truncate(1, 10)
     head.truncate(2, 56)
     assert state(head, 1)[:2] == (0, 10) and state(head, 2)[:2] == (40, 56)
+
+
+# --- integer dtypes and malformed arguments ----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_small_integer_tokens_and_positions_mean_what_int64_does(head, ref, dtype):
+    """Ids and positions of any accepted integer dtype are widened before any arithmetic: a propose from
+    position 125 drafts to 129 (an int8 position wrapped at 127), and a uint8 id is not compared with the
+    vocab size in uint8 (where 512 is 0)."""
+    r = rows(125, 1)
+    prefill(head, 1, r)
+    prefill(ref, 1, r)
+    t, h = rows(1, 2)
+    t = t % 100
+    got = head.propose(torch.tensor([1], dtype=dtype), t.to(dtype), h, torch.tensor([125], dtype=dtype), 5)
+    want = ref.propose(torch.tensor([1]), t, h, torch.tensor([125]), 5)
+    assert torch.equal(got, want) and state(head, 1) == state(ref, 1) and state(head, 1)[:2] == (0, 130)
+
+
+def test_malformed_ids_and_k_are_refused_naming_the_argument(head):
+    prefill(head, 1, rows(4, 1))
+    snap = snapshot(head)
+    t, h = rows(1, 2)
+    calls = {
+        "seq_ids": lambda: head.step(None, t, h, torch.tensor([4])),
+        "tokens": lambda: head.step(torch.tensor([1]), None, h, torch.tensor([4])),
+        "positions": lambda: head.step(torch.tensor([1]), t, h, [[4]]),
+    }
+    for field, call in calls.items():
+        with pytest.raises(mtpfactory.InputError, match=f"^{field}="):
+            call()
+    with pytest.raises(mtpfactory.InputError, match="^seq_ids="):
+        head.step([2**70], t, h, torch.tensor([4]))
+    for k in (True, 1.0, 0):
+        with pytest.raises(mtpfactory.InputError, match="^k="):
+            head.propose(torch.tensor([1]), t, h, torch.tensor([4]), k)
+    assert_unchanged(head, snap)
+    import numpy as np
+    assert head.propose(torch.tensor([1]), t, h, torch.tensor([4]), np.int64(2)).shape == (1, 2)
