@@ -161,6 +161,8 @@ def test_the_lm_head_shares_the_callers_tensor_unless_the_vocab_is_cut(vocab):
     ({"norm_topk_prob": False}, "norm_topk_prob"),
     ({"text_config": {"rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.5}}}, "partial_rotary_factor"),
     ({"num_experts_per_tok": 10}, "num_experts_per_tok"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"),     # the checkpoint carries lm_head.weight too
+    ({"text_config": None, "tie_word_embeddings": False}, None),
     ({"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_type": "default"}}, None),
     ({"text_config": {"rope_parameters": {"rope_type": "default", "mrope_section": [11, 11, 10],
                                           "mrope_interleaved": True}}}, None),
@@ -188,4 +190,40 @@ def test_a_config_with_rope_scaling_is_refused(tmp_path, config):
               tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="config.json rope scaling='(yarn|dynamic)': the heads apply default RoPE"):
+        mtpfactory.build_head(cfg, tmp_path)
+
+
+def _moe_file(folder, name="model.safetensors", **changes):
+    cfg = _moe_cfg()
+    tensors = qwen_mtp_weights(cfg.model, "moe", seed=3, fused_experts=True) | changes
+    save_file({n: t.contiguous() for n, t in tensors.items()}, folder / name)
+    return cfg
+
+
+@pytest.mark.parametrize("case", ["index not json", "index without weight_map", "config not json",
+                                  "config a list", "a corrupt file", "a pickle named .safetensors"])
+def test_malformed_files_are_refused_naming_the_file(tmp_path, case):
+    """Each is a WeightsError naming the file (a refusal row in a sweep), not a parser's own exception."""
+    cfg = _moe_file(tmp_path, "model-00001-of-00001.safetensors")
+    bad = {"index not json": ("model.safetensors.index.json", "{"),
+           "index without weight_map": ("model.safetensors.index.json", '{"metadata": {}}'),
+           "config not json": ("config.json", "rope_theta: 1e7"),
+           "config a list": ("config.json", "[]"),
+           "a corrupt file": ("extra.safetensors", "\xff" * 64),
+           "a pickle named .safetensors": ("extra.safetensors", None)}[case]
+    if bad[1] is None:
+        torch.save({"x": torch.ones(2)}, tmp_path / bad[0])
+    else:
+        (tmp_path / bad[0]).write_text(bad[1])
+    with pytest.raises(WeightsError) as e:
+        mtpfactory.build_head(cfg, tmp_path)
+    assert bad[0] in str(e.value) and "Fix: " in str(e.value)
+
+
+def test_a_tensor_in_two_files_of_an_unindexed_directory_is_refused_naming_both(tmp_path):
+    """Without an index nothing says which copy is the checkpoint's: a stale file must not win silently."""
+    cfg = _moe_file(tmp_path, "model-00001-of-00001.safetensors")
+    save_file({"mtp.fc.weight": torch.full((64, 128), 0.5)}, tmp_path / "mtp.safetensors")
+    with pytest.raises(WeightsError, match=r"^mtp.fc.weight='in model-00001-of-00001.safetensors and "
+                                           r"mtp.safetensors': one file a tensor"):
         mtpfactory.build_head(cfg, tmp_path)

@@ -22,8 +22,10 @@ from mtpfactory.errors import ConfigError, WeightsError
 log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
 # config.json fields that no tensor shape reveals: a preset that differs in one builds a head whose numbers
-# are silently off. (tie_word_embeddings shows in the tensors: the LM head builder checks it there.)
-CONFIG_FIELDS = ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "norm_topk_prob", "num_experts_per_tok")
+# are silently off. (tie_word_embeddings shows in the tensors only where lm_head.weight is absent: a checkpoint
+# that carries both would otherwise build its LM head from the embedding with a warning.)
+CONFIG_FIELDS = ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "norm_topk_prob", "num_experts_per_tok",
+                 "tie_word_embeddings")
 
 
 class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
@@ -37,12 +39,20 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         self._open: dict[Path, safe_open] = {}
         index = self.path / INDEX
         if index.exists():
-            self._where = {name: self.path / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise WeightsError(INDEX, type(weight_map).__name__, "a weight_map object of tensor name -> shard file",
+                                   f"re-download {INDEX}, or delete it to read every *.safetensors file")
+            self._where = {name: self.path / f for name, f in weight_map.items()}
             self._check_index()
         else:
             self._where = {}
             for f in sorted(self.path.glob("*.safetensors")):
-                self._where |= {name: f for name in self._handle(f).keys()}
+                for name in self._keys(f):
+                    if name in self._where:   # which copy is the checkpoint's cannot be told without an index
+                        raise WeightsError(name, f"in {self._where[name].name} and {f.name}", "one file a tensor",
+                                           f"remove the stale file, or add the checkpoint's {INDEX}")
+                    self._where[name] = f
         if not self._where:
             raise WeightsError("weights.path", str(path), f"holds no *.safetensors files (and no {INDEX})",
                                "point at a Hugging Face checkpoint directory")
@@ -68,8 +78,11 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         file = self.path / "config.json"
         if not file.exists():
             return
-        top = json.loads(file.read_text())
-        text = top.get("text_config", top)
+        top = _read_json(file)
+        text = top.get("text_config") or top
+        if not isinstance(text, dict):
+            raise WeightsError("config.json text_config", type(text).__name__, "an object of the text model's fields",
+                               "re-download config.json")
         found = {**(text.get("rope_parameters") or {}), **text}
         scaling = found.get("rope_scaling") or {}
         kind = scaling.get("rope_type", scaling.get("type")) or found.get("rope_type")
@@ -80,6 +93,7 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         for field in CONFIG_FIELDS:
             want, have = found.get(field), model.get(field)
             if isinstance(want, (int, float)) and have is not None and not math.isclose(want, have, rel_tol=1e-6):
+                # (a bool is an int here: true against false differs by 1)
                 want = json.dumps(want)  # as an override reads it: false, not False
                 raise ConfigError(f"model.{field}", have, f"the checkpoint's config.json says {field}={want}",
                                   f"set model.{field}={want}, or choose the model preset of this checkpoint")
@@ -88,6 +102,14 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         if file not in self._open:
             self._open[file] = safe_open(file, framework="pt")
         return self._open[file]
+
+    def _keys(self, file: Path) -> list[str]:
+        """The tensor names of a file of the unindexed directory, or a refusal naming the file."""
+        try:
+            return list(self._handle(file).keys())
+        except (SafetensorError, OSError) as e:
+            raise WeightsError("weights.path", str(file), f"not a readable safetensors file: {e}",
+                               f"re-download {file.name}, or move it out of {self.path}") from e
 
     def __getitem__(self, name: str) -> torch.Tensor:
         file = self._where[name]
@@ -113,3 +135,14 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
 
     def __repr__(self) -> str:
         return f"SafetensorsCheckpoint({str(self.path)!r}, {len(self)} tensors)"
+
+
+def _read_json(file: Path) -> dict:
+    """A JSON object from `file`, or a refusal naming it."""
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise WeightsError(file.name, str(file), f"not readable JSON: {e}", f"re-download {file.name}") from e
+    if not isinstance(data, dict):
+        raise WeightsError(file.name, type(data).__name__, "a JSON object", f"re-download {file.name}")
+    return data
