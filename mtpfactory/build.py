@@ -56,6 +56,9 @@ def runtime_device(cfg: DictConfig) -> torch.device:
     except RuntimeError:
         raise ConfigError("runtime.device", cfg.runtime.device, "not a torch device",
                           "use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError("runtime.device", cfg.runtime.device, "the heads run on the CPU or a CUDA GPU",
+                          "use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("runtime.device", cfg.runtime.device, "no CUDA device is available here",
                           "use runtime.device=cpu or auto")

@@ -94,6 +94,48 @@ def test_unknown_component(field, bad, good):
 
 
 # --- config: values and environment ------------------------------------------------------------------
+@pytest.mark.parametrize("head, ffn, fix", [("dense", "moe", "use head.ffn=swiglu, or +head=bf16_moe"),
+                                           ("bf16_moe", "swiglu", "use head.ffn=moe, or +head=dense")])
+def test_a_builtin_ffn_of_the_other_form_is_refused_naming_head_ffn(head, ffn, fix):
+    """Before: the dense head with head.ffn=moe failed with a TypeError on the preset's missing MoE fields, and
+    bf16_moe with head.ffn=swiglu blamed the checkpoint for lacking dense FFN weights."""
+    cfg = mtpfactory.compose(f"+head={head}", *CPU, f"head.ffn={ffn}")
+    refused(ConfigError, lambda: mtpfactory.build_head(cfg), f"head.ffn='{ffn}'", f"head {head} has a", fix)
+
+
+@pytest.mark.parametrize("device", ["meta", "mps"])
+def test_a_device_the_heads_do_not_run_on_is_refused(device):
+    cfg = mtpfactory.compose("+head=dense", "runtime.dtype=float32", f"runtime.device={device}")
+    refused(ConfigError, lambda: mtpfactory.build_head(cfg), f"runtime.device='{device}'", "CPU or a CUDA GPU")
+
+
+@pytest.mark.parametrize("overrides, field", [((), "runtime.prefill_chunk=256"),
+                                              (("runtime.prefill_chunk=32", "runtime.max_seqs=33"),
+                                               "runtime.max_seqs=33")])
+def test_backend_triton_refuses_more_rows_a_call_than_its_linear_kernels_take(overrides, field):
+    """Under backend=triton a prefill pass of prefill_chunk rows, or a step of max_seqs, is one call of each
+    projection, which the Triton linear kernels take up to 32 rows of; without the check the call failed part-way.
+    Row by row (drafter_prefill off) the chunk does not matter."""
+    cfg = mtpfactory.compose("+head=dense", *CPU, "runtime.backend=triton", *overrides)
+    refused(ConfigError, lambda: mtpfactory.build_head(cfg), field, "at most 32 under runtime.backend=triton",
+            "runtime.backend=auto")
+    from mtpfactory.heads import qwen_mtp
+    qwen_mtp.check_config(mtpfactory.compose("+head=dense", *CPU, "runtime.backend=triton",
+                                             "levers.drafter_prefill=false"), "dense")
+
+
+def test_an_nvfp4_projection_whose_k_is_not_a_multiple_of_16_is_named():
+    cfg = mtpfactory.compose("+head=dense", *CPU, "quant=nvfp4", "model.hidden_size=72")
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg), "mtp.layers.0.self_attn.q_proj.weight.shape[1]=72",
+            "quant=fp8 or bf16")
+
+
+def test_kv_exact_from_the_environment_says_so(monkeypatch):
+    monkeypatch.setenv("MTPF_KV_EXACT", "1")
+    refused(ConfigError, lambda: mtpfactory.build_head(mtpfactory.compose("+head=dense", *CPU)),
+            "levers.kv_exact=True", "unset MTPF_KV_EXACT='1'")
+
+
 def test_moe_head_on_a_preset_without_moe_fields():
     cfg = mtpfactory.compose("+head=bf16_moe", "model=qwen3_5_dense_tiny", *CPU)
     refused(ConfigError, lambda: mtpfactory.build_head(cfg), "model.num_experts=None", "head bf16_moe",

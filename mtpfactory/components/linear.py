@@ -11,7 +11,8 @@ from torch import nn
 
 from mtpfactory import kernels as K
 from mtpfactory.components.norms import RMSNorm
-from mtpfactory.quant import dequantize_fp8, dequantize_nvfp4
+from mtpfactory.errors import WeightsError
+from mtpfactory.quant import NVFP4_BLOCK, dequantize_fp8, dequantize_nvfp4
 
 FORMATS = ("unq", "fp8", "nvfp4")
 
@@ -91,8 +92,13 @@ class LinearNVFP4(Linear):
 def make_linear(weight: torch.Tensor, fmt: str, dtype: torch.dtype, name: str = "",
                 split_work: bool = True) -> Linear:
     """Store `weight` ([out, in], as loaded) in `fmt`: unquantized in `dtype`, or quantized from it."""
+    tensor = f"{name}.weight" if name else "weight"
     if fmt == "fp8":
-        return LinearFP8(*K.quantize_fp8(weight), name=name, split_work=split_work)
+        return LinearFP8(*K.quantize_fp8(weight, tensor), name=name, split_work=split_work)
     if fmt == "nvfp4":
-        return LinearNVFP4(*K.quantize_nvfp4(weight), name=name, split_work=split_work)
+        if weight.shape[1] % NVFP4_BLOCK:
+            raise WeightsError(f"{tensor}.shape[1]", weight.shape[1], "NVFP4 stores blocks of 16 along K, so K must "
+                               "be a multiple of 16", "store this projection otherwise: quant=fp8 or bf16 (for the "
+                               "LM head, quant.lm_head=fp8 or bf16)")
+        return LinearNVFP4(*K.quantize_nvfp4(weight, tensor), name=name, split_work=split_work)
     return Linear(weight.to(dtype), name, split_work)

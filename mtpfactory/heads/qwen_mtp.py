@@ -21,11 +21,13 @@ from mtpfactory import kernels as K
 from mtpfactory import ops, registry
 from mtpfactory.build import BuildContext, runtime_dtype
 from mtpfactory.components.cache import PagedKVCache, PoolSpec, drafter_pool_blocks
+from mtpfactory.components.ffn import build_moe, build_swiglu
 from mtpfactory.components.linear import Linear
 from mtpfactory.components.lm_head import LMHead
 from mtpfactory.errors import ConfigError, WeightsError
 from mtpfactory.heads.base import DraftHead, PrefillScratch
 from mtpfactory.heads.spec import HeadBuilder
+from mtpfactory.kernels.linear import MAX_M
 from mtpfactory.weights.source import MTP_PREFIXES
 
 
@@ -116,15 +118,14 @@ def check_config(cfg: DictConfig, form: str) -> None:
     if cfg.levers.experts_nvfp4 and (form != "moe" or cfg.quant.mode != "bf16"):
         # Decided from the config, before any weight is read: say what the head builds, not what weights hold.
         builds = "a dense SwiGLU FFN, no experts" if form == "dense" else f"{form} experts under quant={cfg.quant.mode}"
-        env = os.environ.get("MTPF_EXPERTS_NVFP4", "")
-        from_env = f", or unset MTPF_EXPERTS_NVFP4={env!r}" if env.strip().lower() in SWITCHED_ON else ""
         raise ConfigError("levers.experts_nvfp4", True, f"stores the BF16 experts of head bf16_moe (quant=bf16) as "
                           f"NVFP4; head {name} with quant={cfg.quant.mode} builds {builds}",
-                          f"drop the lever (levers.experts_nvfp4=false{from_env}); for MoE weights with BF16 "
-                          "experts use +head=bf16_moe quant=bf16")
+                          f"drop the lever (levers.experts_nvfp4=false{_from_env('MTPF_EXPERTS_NVFP4')}); for MoE "
+                          "weights with BF16 experts use +head=bf16_moe quant=bf16")
     if cfg.levers.kv_exact and cfg.kv.dtype != "fp8":
         raise ConfigError("levers.kv_exact", True, f"per-token KV scales need kv=fp8 (this run: kv={cfg.kv.dtype})",
-                          "add kv=fp8, or drop the lever")
+                          f"add kv=fp8, or drop the lever{_from_env('MTPF_KV_EXACT')}")
+    _check_ffn_component(cfg, form)
     lacking = [f for f in FFN_FIELDS[form] if m.get(f) is None]
     if lacking:
         preset = "qwen3_next_tiny" if form == "moe" else "qwen3_5_dense_tiny"
@@ -154,6 +155,33 @@ def check_config(cfg: DictConfig, form: str) -> None:
     kv_dtype(cfg)
     runtime_dtype(cfg)
     ops.check_backend(r.backend)
+    if r.backend == "triton":   # one batched step, or one prefill pass, is one call of each projection
+        rows = {"runtime.max_seqs": r.max_seqs, **({"runtime.prefill_chunk": r.prefill_chunk}
+                                                     if cfg.levers.drafter_prefill else {})}
+        for key, value in rows.items():
+            if value > MAX_M:
+                raise ConfigError(key, value, f"at most {MAX_M} under runtime.backend=triton: a batched step "
+                                  "(max_seqs rows) or prefill pass (prefill_chunk rows) is one call of each "
+                                  f"projection, and the Triton linear kernels take up to {MAX_M} rows",
+                                  f"set {key}={MAX_M}, or use runtime.backend=auto (the reference serves more rows)")
+
+
+def _from_env(variable: str) -> str:
+    """", or unset VAR='1'" where a switch lever was turned on from the environment, else ""."""
+    env = os.environ.get(variable, "")
+    return f", or unset {variable}={env!r}" if env.strip().lower() in SWITCHED_ON else ""
+
+
+def _check_ffn_component(cfg: DictConfig, form: str) -> None:
+    """A built-in FFN component of the other form (head.ffn=moe on the dense head) would read model fields and
+    weights the head does not have: refused naming head.ffn. A component of the user's own is trusted."""
+    builtin = {build_swiglu: ("dense", "swiglu", "dense"), build_moe: ("moe", "moe", "bf16_moe")}
+    its = builtin.get(registry.get("ffn", cfg.head.ffn))
+    if its is not None and its[0] != form:
+        ours = next(v for v in builtin.values() if v[0] == form)
+        raise ConfigError("head.ffn", cfg.head.ffn, f"builds a {its[0]} FFN; head {cfg.head.name} has a {form} "
+                          "FFN (its model fields and weights are those of one)",
+                          f"use head.ffn={ours[1]}, or +head={its[2]} for a {its[0]} FFN")
 
 
 def check_ffn_form(ctx: BuildContext, form: str) -> None:

@@ -14,7 +14,7 @@ from mtpfactory.components.linear import Linear
 from mtpfactory.errors import ConfigError
 from mtpfactory.weights.synthetic import qwen_mtp_weights
 
-CPU = ("runtime.device=cpu", "runtime.max_seq_len=256", "runtime.max_seqs=2")
+CPU = ("runtime.device=cpu", "runtime.max_seq_len=256", "runtime.max_seqs=2", "runtime.prefill_chunk=32")
 # (head, overrides): every quantized combination the table allows for these heads
 QUANTIZED = {
     "dense_fp8": ("dense", ("quant=fp8",)),
