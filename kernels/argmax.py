@@ -24,7 +24,7 @@ argmax = Op("argmax", _argmax_native)
 # then reduces the partials. A row that fits one chunk skips the second stage.
 
 @triton.jit
-def _first_max(x, idx, mask, V):
+def first_max(x, idx, mask, V):
     """(max, index of its first occurrence) of x's `mask` lanes, where NaN beats every number (the first NaN
     wins), as torch.argmax has it. Three plain reductions rather than one over (value, index) pairs: the
     same on the GPU, and fast under the interpreter, whose custom-combine reduce runs in Python."""
@@ -44,7 +44,7 @@ def _argmax_chunk_kernel(logits_ptr, stride_b, V, part_val_ptr, part_idx_ptr, ou
     idx = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK] int32 (V <= 2**30)
     mask = idx < V
     x = tl.load(logits_ptr + b * stride_b + idx, mask=mask, other=float("-inf")).to(tl.float32)
-    val, i = _first_max(x, idx, mask, V)
+    val, i = first_max(x, idx, mask, V)
     if SINGLE:
         tl.store(out_ptr + b * stride_o, i.to(tl.int64))
     else:
@@ -59,7 +59,7 @@ def _argmax_partials_kernel(part_val_ptr, part_idx_ptr, out_ptr, stride_o, n_chu
     mask = c < n_chunks
     val = tl.load(part_val_ptr + b * n_chunks + c, mask=mask, other=float("-inf"))
     idx = tl.load(part_idx_ptr + b * n_chunks + c, mask=mask, other=V)
-    _, i = _first_max(val, idx, mask, V)
+    _, i = first_max(val, idx, mask, V)
     tl.store(out_ptr + b * stride_o, i.to(tl.int64))
 
 

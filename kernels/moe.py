@@ -4,7 +4,8 @@ top-k and the shared-expert blend `sigmoid(shared_gate) * shared_out`.
 
 Triton providers (DESIGN 4):
 - `moe_route_softmax`: one program per row; softmax over E in fp32 and k rounds of (max, lowest index of
-  the max) over the logits, so ties go to the lower expert id exactly as in the reference.
+  the max) over the logits, NaN above every number (`argmax`'s `first_max`), so ties go to the lower
+  expert id and NaN logits come first exactly as in the reference's stable descending sort.
 - `fused_moe`, `fused_moe_nvfp4`: the rows in groups of BM (16 or 32; a `tl.dot` needs 16). A group's
   candidates are its (row, slot) pairs, or all expert ids when E is smaller; a program owns a candidate
   expert when a row of the group chose it and (by pairs) no earlier pair did, so each selected expert is
@@ -14,7 +15,8 @@ Triton providers (DESIGN 4):
      zero) and writes silu(gate) * up, rounded to x's dtype, into the workspace [N * k, I] at (row, slot).
   2. down: one program per (group, split, tile of BHO output columns); split s walks candidates s,
      s + SPLIT, ... and for each owned expert reads its down tile once, rounds each row's expert output
-     to x's dtype (as the reference does), weights it in fp32 and accumulates. With one split it adds
+     to x's dtype (as the reference does), weights it in fp32 and accumulates it into the rows that chose
+     it only (the others read zeros for h, and 0 * a non-finite weight would be NaN). With one split it adds
      sigmoid(shared_gate) * shared_out in fp32 and stores [N, H] once; with several (chosen so the grid
      has a few programs per SM: a decode step has few rows and tiles) each stores fp32 partials and
      `_moe_blend_kernel` sums them in split order and blends. No atomics: deterministic.
@@ -42,6 +44,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
+from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.fp_bits import e4m3_value
 from mtpfactory.ops import Op, check_out, check_outs, triton_can_run, write_outs
 from mtpfactory.quant import dequantize_nvfp4
@@ -308,8 +311,7 @@ def _moe_route_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_lm,
     ids = tl.zeros((KP,), tl.int64)
     taken = offs >= E
     for j in tl.static_range(TOP_K):
-        cand = tl.where(taken, float("-inf"), logit)
-        best = tl.min(tl.where((cand == tl.max(cand, axis=0)) & (~taken), offs, BE), axis=0)  # lowest id of the max
+        _, best = first_max(logit, offs, ~taken, BE)       # the first NaN, else the lowest id of the max
         w = tl.where(ks == j, tl.sum(tl.where(offs == best, probs, 0.0), axis=0), w)
         ids = tl.where(ks == j, best.to(tl.int64), ids)
         taken = taken | (offs == best)
@@ -419,7 +421,8 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
                     wd = _load_act(w_ptr + e64 * stride_we + oo[:, None] * stride_wn + ii[None, :],
                                    o_ok[:, None] & i_ok[None, :], INTERP)                  # [BHO, BI]
                     y += tl.dot(ht, tl.trans(wd), input_precision="ieee")
-            acc += weight[:, None] * _round_act(y, ACT, INTERP, True)
+            # Only the rows that chose e: the others loaded zeros for h, and 0 * an Inf weight is NaN.
+            acc += tl.where(has[:, None], weight[:, None] * _round_act(y, ACT, INTERP, True), 0.0)
     if PARTIAL:
         tl.store(part_ptr + (split * N + rows)[:, None] * H + oo[None, :], acc, mask=row_ok[:, None] & o_ok[None, :])
     else:

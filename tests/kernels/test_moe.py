@@ -172,6 +172,38 @@ def test_route_triton_matches_reference(n, e, k, renormalize, dtype):
     torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
 
 
+NAN, INF = float("nan"), float("inf")
+# [N, E 5] router logits with NaN and infinities (E 5 leaves three padding lanes in the kernel's block of 8):
+# the reference's stable descending sort puts NaN first (lowest id first among NaNs), then +inf, ..., -inf;
+# softmax over a row with a NaN or an infinity is NaN throughout. The last row is finite.
+NONFINITE_LOGITS = [[NAN] * 5, [NAN, 1, 2, 3, 0], [1, NAN, 3, NAN, 2], [INF, NAN, -INF, 0, NAN],
+                    [-INF, INF, INF, 1, -INF], [-INF] * 5, [0.5, -1, 2, 0, 2]]
+
+
+def check_route_nonfinite(k: int, renormalize: bool, dtype, device: str) -> None:
+    """The Triton provider's ids equal the reference's (so they lie in [0, E)) and its weights too, NaN
+    where the reference's are; written into poisoned `out`."""
+    logits = torch.tensor(NONFINITE_LOGITS, device=device).to(dtype)
+    n, e = logits.shape
+    want_weights, want_ids = moe.moe_route_softmax(logits, k, renormalize)
+    # poisoned with -1, not NaN: the weights the reference gives are NaN, so NaN would hide a slot left unwritten
+    out = (torch.full((n, k), -1.0, device=device), torch.full((n, k), -7, dtype=torch.int64, device=device))
+    with ops.use_backend("triton"):
+        weights, ids = moe.moe_route_softmax(logits, k, renormalize, out=out)
+    assert weights is out[0] and ids is out[1]
+    assert bool(((ids >= 0) & (ids < e)).all())
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6, equal_nan=True)
+    assert bool(weights[-1].isfinite().all())              # a finite row keeps finite weights
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_route_triton_nonfinite_logits(k, renormalize, dtype):
+    check_route_nonfinite(k, renormalize, dtype, "cpu")
+
+
 @pytest.mark.parametrize("backend", ["triton", "native"])
 def test_route_refuses_out_that_does_not_fit(backend):
     """ids in int32, or weights as a column slice: refused by name, nothing written."""
@@ -418,6 +450,45 @@ def test_fused_moe_triton_repeated_ids_in_a_row(e):
     scaled_close(got, want, TOL[torch.float32])
 
 
+def check_nonfinite_expert(fmt: str, where: str, e: int, device: str) -> None:
+    """An Inf in the weights of expert 1, which only row 1 chose, reaches row 1 and no other: rows 0 and 2 match
+    the reference over the same experts without the Inf (the NVFP4 reference refuses a non-finite weight, so the
+    clean experts are its oracle for both formats). Unselected experts are NaN, outputs poisoned."""
+    n, k, h, i = 3, 2, 32, 32
+    gen = torch.Generator(device).manual_seed(16)
+    x = torch.randn(n, h, generator=gen, device=device)
+    ids = torch.tensor([[0, 2], [1, 2], [2, 3]], device=device)
+    weights = torch.softmax(torch.randn(n, k, generator=gen, device=device), dim=-1)
+    off = unselected(e, ids)
+    if fmt == "unq":
+        op = moe.fused_moe
+        w_gate_up, w_down = experts(e, h, i, torch.float32, gen)
+        args = dict(w_gate_up=w_gate_up, w_down=w_down)
+        names = ("w_gate_up", "w_down")
+    else:
+        op = moe.fused_moe_nvfp4
+        args = nvfp4_experts(e, h, i, gen)
+        names = ("gu_global", "dn_global")
+    for name in names:
+        args[name][off] = float("nan")
+    bad = dict(args)
+    name = names[0] if where == "gate_up" else names[1]
+    bad[name] = args[name].clone()
+    bad[name][1].view(-1)[0] = float("inf")               # unq: one weight; NVFP4: the expert's gate or down global
+    got = run_triton(op, x, dict(**bad, topk_weights=weights, topk_ids=ids), k, i)
+    want = op.reference(x, **args, topk_weights=weights, topk_ids=ids)
+    others = torch.tensor([0, 2], device=device)
+    scaled_close(got[others], want[others], TOL[torch.float32])
+    assert not bool(got[1].isfinite().all())              # the Inf did go in
+
+
+@pytest.mark.parametrize("where", ["gate_up", "down"])
+@pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
+@pytest.mark.parametrize("e", [4, 9], ids=["by-expert", "by-pair"])
+def test_triton_nonfinite_expert_stays_in_its_rows(e, fmt, where):
+    check_nonfinite_expert(fmt, where, e, "cpu")
+
+
 def moe_call(fmt: str, shape, dtype, gen) -> tuple[object, dict[str, torch.Tensor]]:
     """(op, every argument) of a MoE call with the shared blend, shape (N, E, k, H, I), experts unquantized
     ("unq") or NVFP4, on gen's device; experts no row selected are NaN (their weights or NVFP4 globals), so a
@@ -532,3 +603,22 @@ def test_fused_moe_triton_qwen3_next_gpu(n, fmt):
     op, args = moe_call(fmt, (n, e, k, h, i), torch.bfloat16, torch.Generator("cuda").manual_seed(n))
     got, want = run_both(op, args.pop("x"), args, {}, k, i)
     scaled_close(got, want, TOL[torch.bfloat16])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_route_triton_nonfinite_logits_gpu(k, renormalize):
+    """On the GPU `tl.max` has its own NaN rule; the ranking must not depend on it."""
+    for dtype in DTYPES + [torch.float16]:
+        check_route_nonfinite(k, renormalize, dtype, "cuda")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("where", ["gate_up", "down"])
+@pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
+@pytest.mark.parametrize("e", [4, 9], ids=["by-expert", "by-pair"])
+def test_triton_nonfinite_expert_stays_in_its_rows_gpu(e, fmt, where):
+    check_nonfinite_expert(fmt, where, e, "cuda")
