@@ -20,7 +20,8 @@ def cast_rne(x, dtype: tl.constexpr):
 
 @triton.jit
 def e4m3_rne_bits(v):
-    """fp32 `v`, already clamped to +-448 -> float8_e4m3fn bits (int32 in [0, 255]), round to nearest even.
+    """fp32 `v`, already clamped to +-448 -> float8_e4m3fn bits (int32 in [0, 255]), round to nearest even;
+    NaN -> 0x7F with its sign bit (0x7F or 0xFF), as torch's cast gives.
 
     |v| >= 2**-6 (e4m3 normal): round the 23 fp32 mantissa bits to 3 by adding 0x7FFFF plus the kept lsb
     (a carry moves into the exponent, as it should), then rebias the exponent (127 -> 7: minus 120 << 3).
@@ -39,6 +40,7 @@ def e4m3_rne_bits(v):
     up = ((h & 1) == 1) & (sticky | ((kept & 1) == 1))
     sub = kept + up.to(tl.int32)
     mag = tl.where(a >= (121 << 23), normal, sub)
+    mag = tl.where(a > 0x7F800000, 0x7F, mag)                      # NaN (its bits would round as a normal)
     return tl.where(b < 0, mag | 0x80, mag)
 
 

@@ -107,8 +107,10 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + pid_b * s_qb + q_heads[:, None] * s_qh + d[None, :] * s_qd,
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)  # [G_PAD, D_PAD]
 
-    # A finite "minus infinity": exp2(m_i - m_new) stays 1, never NaN, while a split sees no token.
-    m_i = tl.full([G_PAD], -1.0e30, tl.float32)  # running max of the log2-scaled scores
+    # The max starts at -inf (a finite stand-in would swallow rows whose scores all lie below it) and the
+    # exponents subtract m_safe, 0 while the max is still -inf: every exp2 then sees -inf (0), never
+    # -inf - -inf (NaN), so a split or tile with no token adds nothing.
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # running max of the log2-scaled scores
     l_i = tl.zeros([G_PAD], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for t0 in range(start, end, BLOCK_N):
@@ -127,8 +129,9 @@ def _paged_decode_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * col[None, :]  # [G_PAD, BLOCK_N]
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # masked tokens: 0
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])  # masked tokens: 0
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + (blk * s_vb + off * s_vt + pid_h * s_vh)[:, None] + d[None, :] * s_vd,
                     mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, D_PAD]
@@ -158,7 +161,7 @@ def _paged_decode_reduce_kernel(
     pid_h = tl.program_id(1)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
-    m_i = tl.full([G_PAD], -1.0e30, tl.float32)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # guarded as in _paged_decode_kernel
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     row0 = (pid_b * tl.num_programs(1) + pid_h) * NUM_SPLITS
@@ -167,8 +170,9 @@ def _paged_decode_reduce_kernel(
         l_s = tl.load(pl_ptr + (row0 + s) * G_PAD + g)
         a_s = tl.load(pacc_ptr + (row0 + s) * G_PAD * D_PAD + g[:, None] * D_PAD + d[None, :])
         m_new = tl.maximum(m_i, m_s)
-        alpha = tl.exp2(m_i - m_new)
-        beta = tl.exp2(m_s - m_new)  # an empty split has l_s = 0 and acc 0: it adds nothing
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(m_s - m_safe)  # an empty split (m_s = -inf, l_s = 0, acc 0) adds nothing
         l_i = l_i * alpha + l_s * beta
         acc = acc * alpha[:, None] + a_s * beta[:, None]
         m_i = m_new

@@ -2,7 +2,9 @@
 
 DESIGN 3, FP8 KV: with no scale caches the values are clamped to +-448 and cast (unit scales); with fp32
 per-token scale caches [blocks, block_size, kv_heads] (`levers.kv_exact`) each (token, KV head) row
-stores scale = amax(|row|) / 448 (1 for an all-zero row) and the values row / scale, clamped and cast.
+stores scale = amax(|row|) / 448 (1 for an all-zero row) and the values row / scale, clamped and cast. NaN and
+Inf follow torch: a NaN stays NaN (code 0x7F with its sign) and makes its row's amax and scale NaN; Inf
+clamps to +-448 under unit scales and, with scales, makes the scale Inf and itself NaN (Inf / Inf).
 
 The Triton provider rounds fp32 to E4M3 in integer math (round to nearest, ties to even) and stores the
 codes as bytes: exact on the GPU and under the interpreter alike, whose own fp32->fp8 cast rounds wrongly
@@ -58,11 +60,18 @@ def _quantize_store(x_ptr, c_ptr, s_ptr, row, blk, off, s_xn, s_xh, s_xd, s_cb, 
     x = tl.load(x_ptr + row * s_xn + h[:, None] * s_xh + d[None, :] * s_xd, mask=mask,
                 other=0.0).to(tl.float32)  # [H_PAD, D_PAD]
     if HAS_SCALE:
-        s = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX)  # [H_PAD], correctly rounded like torch
+        # amax as the max of |x|'s bits: for non-negative floats the integer order is the float order and a
+        # NaN lies above inf, so a NaN makes its row's amax NaN, as torch's amax does (tl.max on floats drops
+        # NaN: maxnum on the GPU, nanmax in the interpreter); and the canonical NaN, as torch's is.
+        amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True)
+        amax = tl.where(amax != amax, float("nan"), amax)  # [H_PAD]
+        s = tl.math.div_rn(amax, _FP8_MAX)  # correctly rounded like torch
         s = tl.where(s == 0.0, 1.0, s)
         x = tl.math.div_rn(x, s[:, None])
         tl.store(s_ptr + blk * s_sb + off * s_st + h * s_sh, s, mask=h_mask)
-    x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
+    # Clamp by compare and select: a NaN fails both compares and passes through with its sign, as in torch's
+    # clamp (tl.minimum / tl.maximum drop NaN on the GPU, and with PropagateNan.ALL give the canonical NaN).
+    x = tl.where(x > _FP8_MAX, _FP8_MAX, tl.where(x < -_FP8_MAX, -_FP8_MAX, x))
     dst = c_ptr + blk * s_cb + off * s_ct + h[:, None] * s_ch + d[None, :] * s_cd
     tl.store(dst, e4m3_rne_bits(x).to(tl.uint8), mask=mask)
 

@@ -214,6 +214,24 @@ def test_output_in_q_dtype_whatever_the_gate_and_out_which_every_provider_takes(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_triton_scores_below_any_finite_floor(num_splits, device):
+    """fp32 q = 1e16 (2e16 for the second head) against K = -1e15: every score is about -6e31 (log2-scaled),
+    below a finite stand-in for -inf such as -1e30, which would zero every weight. Each row's scores are
+    equal, so the output is the mean of its V. Rows of 1 and 20 tokens and an empty one (zeros); tables of
+    8 blocks of 4 make two splits of 16 when asked for two: row 0's second split is empty, row 1 spans both."""
+    q, k, v, tables, lens, scale, gate, _, _ = make_case(3, 2, 1, 16, 4, [1, 20, 0], "fp32", torch.float32,
+                                                         seed=9, device=device, spare_cols=3)
+    q = torch.full_like(q, 1e16)
+    q[:, 1] *= 2
+    k = torch.where(k.isnan(), k, -1e15)  # the poison stays
+    args = (q, k, v, tables, lens, scale, gate)
+    want = run_native(*args)
+    assert want[:2].isfinite().all() and (want[:2] != 0).all() and (want[2] == 0).all()
+    torch.testing.assert_close(run_triton(*args, num_splits=num_splits), want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_context_past_the_block_table_refused_by_the_reference_and_clamped_by_the_kernel(device):
     """Tables of 2 blocks of 4 hold 8 tokens. The reference refuses a longer context; the kernel, which cannot
     raise without a sync, attends to the 8 the table holds. The tables are the first 2 columns of a wider

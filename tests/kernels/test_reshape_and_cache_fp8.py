@@ -146,6 +146,27 @@ def test_triton_slot_minus_one_is_the_last_slot_and_nothing_before_the_cache_is_
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k_scaled, v_scaled", [(False, False), (True, True), (False, True)])
+def test_triton_nan_and_inf_match_the_reference_bitwise(k_scaled, v_scaled, dtype, device):
+    """NaN stays NaN, code 0x7F with its sign (V = -K brings both signs); Inf clamps to +-448 under unit
+    scales. With per-token scales a NaN makes its row's scale NaN and every code in the row NaN; an Inf makes
+    the scale Inf and its own code NaN. The other KV head of the token keeps its own finite scale."""
+    nan, inf = float("nan"), float("inf")
+    k = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(8)) * 10  # [N, kv_heads=2, D=16]
+    k[0, 0, 0] = nan  # first element
+    k[1, 0, 7] = -nan  # mid-row, sign set
+    k[2, 1, 15] = inf  # last element, second head
+    k[3, 0, 2], k[3, 0, 9] = -inf, nan  # both in one row
+    k = k.to(dtype).to(device)
+    slots = torch.tensor([5, 0, -1, 2], device=device)
+    args = (k, -k, slots, 3, 3, k_scaled, v_scaled)
+    got, want = _run("triton", *args), _run("native", *args)
+    assert (want[0].view(-1, 2, 16)[[5, 0, 8, 2]][k.isnan()] & 0x7F == NAN_CODE).all()  # the reference: NaN
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [4, -5, 2**40])
 def test_slot_out_of_range_refused_by_the_reference_and_written_nowhere_by_the_kernel(bad, device):
     """Slots lie in [-4, 4) for 2 blocks of 2. The reference refuses another; the kernel writes nothing for it:
