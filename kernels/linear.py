@@ -56,7 +56,8 @@ class GemvPlan:
     whole of K, rounded up, when `splits == 1`). `wgmma` (NVFP4 only, one K slice): NVFP4's Gluon kernel
     (`gemm_nvfp4_wgmma.py`) runs the call on its own tile, not the Triton kernel these sizes would pick.
     `tma` (16-bit weights, the dot path, one K slice): `_linear_tma_kernel` runs it on these tiles, its loop
-    `num_stages` deep (`tma_refusal` says where it cannot)."""
+    `num_stages` deep (`tma_refusal` says where it cannot). `plan_shape_refusal` says which tiles Triton can build
+    (a plan given to a provider is checked)."""
     block_m: int
     block_n: int
     block_k: int
@@ -371,6 +372,49 @@ def x_scan_block(span: int, cap: int = 8192) -> int:
     return min(triton.next_power_of_2(span), cap)
 
 
+# Triton 3.6 on NVIDIA GPUs: a `tl.dot` of 16-bit or fp32 operands takes K >= 16 (`min_dot_size`; the
+# interpreter takes any K, so a smaller block_k passes the CPU tests and fails to compile on the GPU).
+MIN_DOT_K = 16
+
+
+def _is_pow2(v: int) -> bool:
+    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
+
+
+def plan_shape_refusal(plan: GemvPlan) -> InputError | None:
+    """Why Triton cannot build a given plan's kernels whatever the call, as the error `linear_triton` and
+    `linear_nvfp4_triton` (`plan_refusal`) raise, or None: block_m 1, 2, 4, 8 (CUDA cores) or 16, 32 (`tl.dot`);
+    block_n and block_k powers of two (`tl.arange`, block shapes, TMA blocks); block_k at least MIN_DOT_K on
+    the dot path; the weight tile block_n x block_k (times block_m on the CUDA-core rows path, whose
+    accumulator holds all three) at most Triton's largest tensor; splits at least 1; num_warps a power of
+    two up to 32 (1024 threads); num_stages at least 1. A TMA plan's blocks then meet TensorDescriptor's
+    rules: power-of-two sides, and rows of 16 bytes or more (block_k >= 16 of its 16-bit elements). The
+    planner's plans pass."""
+    for name, value, ok, says in (
+            ("block_m", plan.block_m, plan.block_m in (1, 2, 4, 8, 16, 32),
+             f"1, 2, 4 or 8 (CUDA cores), 16 or 32 (tl.dot): power-of-two tiles of up to {MAX_M} rows"),
+            ("block_n", plan.block_n, _is_pow2(plan.block_n), "a power of two (Triton's tiles are)"),
+            ("block_k", plan.block_k, _is_pow2(plan.block_k), "a power of two (Triton's tiles are)")):
+        if not ok:
+            return InputError(f"plan.{name}", value, says, f"make the plan with another {name}, or leave plan=None")
+    if plan.use_dot and plan.block_k < MIN_DOT_K:
+        return InputError("plan.block_k", plan.block_k, f"at least {MIN_DOT_K} on the tl.dot path (block_m "
+                          f"{plan.block_m}): the GPU's dot takes K >= {MIN_DOT_K}",
+                          f"make the plan with block_k >= {MIN_DOT_K}, or leave plan=None")
+    rows = plan.block_m if plan.block_m < 16 else 1
+    if rows * plan.block_n * plan.block_k > tl.TRITON_MAX_TENSOR_NUMEL:
+        return InputError("plan", f"block_m {plan.block_m} x block_n {plan.block_n} x block_k {plan.block_k}",
+                          f"a tile of at most {tl.TRITON_MAX_TENSOR_NUMEL} elements (block_n x block_k, times "
+                          "block_m below 16): Triton's largest tensor", "make the plan with smaller tiles")
+    for name, value, ok, says in (("splits", plan.splits, plan.splits >= 1, "at least 1"),
+                                  ("num_warps", plan.num_warps, _is_pow2(plan.num_warps) and plan.num_warps <= 32,
+                                   "a power of two up to 32"),
+                                  ("num_stages", plan.num_stages, plan.num_stages >= 1, "at least 1")):
+        if not ok:
+            return InputError(f"plan.{name}", value, says, f"make the plan with {name} {says}")
+    return None
+
+
 def k_slices_refusal(plan: GemvPlan, k: int) -> InputError | None:
     """Why a given plan's K slices cannot serve K, or None: each slice whole block_k steps (a slice reads its
     steps to the end, so another length overlaps the next slice), together covering K (K past them is never
@@ -431,14 +475,16 @@ def _has_pdl(device: torch.device) -> bool:
 
 def tma_refusal(x: torch.Tensor, weight: torch.Tensor, scaled: bool) -> str | None:
     """Why `_linear_tma_kernel` cannot run x [M, K] @ weight [N, K]^T, or None: it takes 16-bit x and
-    weight of one dtype (no per-row scale), 2 <= M <= 32, on a GPU with TMA (sm_90 on) or in the interpreter,
-    both with unit stride along K and 16-byte aligned starts and row strides."""
+    weight of one dtype (no per-row scale), 2 <= M <= 32, K > 0, on a GPU with TMA (sm_90 on) or in the
+    interpreter, both with unit stride along K and 16-byte aligned starts and row strides."""
     m = x.shape[0]
     if scaled or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         scale = " with a row scale" if scaled else ""
         return f"x {x.dtype}, weight {weight.dtype}{scale}: it takes 16-bit x and weight of one dtype"
     if not 2 <= m <= MAX_M:
         return f"M = {m}: it takes 2 to {MAX_M} rows"
+    if x.shape[1] == 0:
+        return "K = 0: a TMA descriptor takes no empty dimension"
     if x.is_cuda and not _has_pdl(x.device):                        # TMA came with PDL, in sm_90
         return f"x on {x.device}, capability {torch.cuda.get_device_capability(x.device)}: it needs TMA (sm_90 on)"
     return tma_layout_refusal("x", x) or tma_layout_refusal("weight", weight)
@@ -473,7 +519,9 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     if plan is None:            # the planner plans the TMA kernel only where the call can run it
         plan = plan_for(m, n, k, split_k, TILES_FP8 if scaled else TILES_16BIT,
                         TMA and tma_refusal(x, weight, scaled) is None)
-    elif plan.tma:              # a plan given (tests, sweeps): checked
+    elif err := plan_shape_refusal(plan):       # a plan given (tests, sweeps): checked
+        raise err
+    elif plan.tma:
         why = tma_refusal(x, weight, scaled) or (None if plan.splits == 1 and plan.block_m >= max(16, m) else
                                                   f"the plan has {plan.splits} K slices and block_m "
                                                   f"{plan.block_m} for M = {m}: it takes one K slice on the dot "

@@ -71,6 +71,7 @@ from mtpfactory.kernels.linear import (
     lowp_dot,
     partial_buffer,
     plan_for,
+    plan_shape_refusal,
     splitk_reduce,
     store_tile,
     tma_layout_refusal,
@@ -1140,8 +1141,11 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 def plan_refusal(plan: GemvPlan, m: int, k: int, x16: bool) -> MtpfError | None:
     """Why `linear_nvfp4_triton` cannot run a given plan on x [m, k] (16-bit x: x16), as the error it raises,
-    or None. The planner's plans always run."""
-    if plan.block_k <= 0 or plan.block_k % NVFP4_BLOCK or (plan.use_dot and plan.block_k < 32):
+    or None: tiles Triton can build (`plan_shape_refusal`), then NVFP4's own rules. The planner's plans always
+    run."""
+    if err := plan_shape_refusal(plan):
+        return err
+    if plan.block_k % NVFP4_BLOCK or (plan.use_dot and plan.block_k < 32):
         return InputError("plan.block_k", plan.block_k, "NVFP4 tiles hold whole 16-element blocks: a multiple of "
                           "16, at least 32 on the tl.dot path (block_m 16 or 32), where a dot takes K >= 16",
                           "use one of those")
@@ -1157,12 +1161,12 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                         plan: GemvPlan | None = None, x_pairs: XPairs | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize_nvfp4(weight [N, K/2], weight_scale [N, K/16], weight_scale_2)^T -> [M, N] in
     x's dtype (operands as `operand_refusal` says); arguments as `linear_triton`. A `plan` (`plan_refusal`):
-    block_k a multiple of 16; K slices of whole block_k steps that cover K, none empty; block_m at least M: 1,
-    2, 4 or 8 (the GEMVs; more than one row for 16-bit x only), 16 or 32 (the tensor cores); on the bf16
-    tensor-core path its num_stages - 1, 1 or 2, is how many K steps ahead the kernel loads: Triton's own
-    pipeliner does not take loads that feed arithmetic before the dot; the fp16-sum GEMVs and the fp16 dot load
-    one step ahead when num_stages > 1. `x_pairs`: x's pass already made (`XPairs`, for a plan that runs one):
-    the kernel reads them and the pass is not launched."""
+    tiles Triton can build (`plan_shape_refusal`); block_k a multiple of 16; K slices of whole block_k steps
+    that cover K, none empty; block_m at least M: 1, 2, 4 or 8 (the GEMVs; more than one row for 16-bit x
+    only), 16 or 32 (the tensor cores); on the bf16 tensor-core path its num_stages - 1, 1 or 2, is how many K
+    steps ahead the kernel loads: Triton's own pipeliner does not take loads that feed arithmetic before the
+    dot; the fp16-sum GEMVs and the fp16 dot load one step ahead when num_stages > 1. `x_pairs`: x's pass
+    already made (`XPairs`, for a plan that runs one): the kernel reads them and the pass is not launched."""
     if err := operand_refusal(x, weight, weight_scale, weight_scale_2):
         raise err
     return _linear_nvfp4_launch(x, weight, weight_scale, weight_scale_2, split_k, out, plan, x_pairs)

@@ -1,5 +1,6 @@
 """RMSNorm, plain (`x * rsqrt(mean(x^2) + eps) * w`) or zero-centred (`... * (1 + w)`), optionally fused
-with the residual add that precedes it. Computed in fp32, returned in the input dtype.
+with the residual add that precedes it (a residual of the input's shape and dtype). Computed in fp32,
+returned in the input dtype.
 
 The Triton provider can also make, from the normed row it holds in registers, the x pass of the NVFP4
 GEMV that follows (`x_pairs`: an LM head after the final norm, `rms_norm_linear_nvfp4`), and let that GEMV
@@ -12,16 +13,31 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
 from mtpfactory.ops import Op, check_out, triton_can_run
 
 
+def residual_refusal(x: torch.Tensor, residual: torch.Tensor | None) -> InputError | None:
+    """Why the op cannot add `residual` to x, or None: every provider returns the sum and the norm in x's
+    dtype, so the residual has x's shape and dtype (no broadcast, no promotion: a bf16 x and an fp32 residual
+    would otherwise come back fp32 from the reference and bf16 from the kernel)."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        return InputError("residual", f"{residual.dtype} {list(residual.shape)}", f"x's shape and dtype, {x.dtype} "
+                          f"{list(x.shape)}: the sum x + residual is returned in x's dtype",
+                          "pass residual.to(x.dtype), of x's shape")
+    return None
+
+
 def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
                      residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                      residual_out: torch.Tensor | None = None):
-    """x, residual: [..., H]; weight: [H]. With `residual`, returns (norm(x + residual), x + residual). `out` /
-    `residual_out` (optional, x's shape and dtype) receive the norm and the sum and are returned."""
+    """x, residual: [..., H]; weight: [H]. With `residual` (x's shape and dtype: `residual_refusal`), returns
+    (norm(x + residual), x + residual). `out` / `residual_out` (optional, x's shape and dtype) receive the norm
+    and the sum and are returned."""
+    if err := residual_refusal(x, residual):
+        raise err
     if out is not None:
         check_out(out, x.shape, x.dtype, x.device)
     if residual is not None and residual_out is not None:
@@ -75,15 +91,36 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_H = 65536  # one row in registers; wider rows fall back to native
 
 
+def rms_norm_refusal(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+                     weight_field: str = "weight") -> InputError | None:
+    """Why `rms_norm_triton` cannot take these operands, as the error it raises (its predicate says no to the
+    same calls, and `rms_norm_linear_nvfp4_triton` asks it about its norm, the weight named `weight_field`), or
+    None: x a contiguous bf16, fp16 or fp32 [..., H], 1 <= H <= 65536 (the row in registers; the kernel steps
+    rows by H); weight a contiguous bf16, fp16 or fp32 [H] (read with unit stride); residual a contiguous
+    tensor of x's shape and dtype."""
+    if x.dim() == 0 or x.dtype not in _FLOATS or not 1 <= x.shape[-1] <= _MAX_H:
+        return InputError("x", f"{x.dtype} {list(x.shape)}", f"a bf16, fp16 or fp32 [..., H] tensor, 1 <= H <= "
+                          f"{_MAX_H} (one row in registers)", "call the op (`rms_norm`) under runtime.backend=auto: "
+                          "it runs the reference for others")
+    if not x.is_contiguous():
+        return InputError("x", f"strides {x.stride()} of {list(x.shape)}", "a contiguous tensor (the kernel steps "
+                          "rows by H)", "pass x.contiguous()")
+    h = x.shape[-1]
+    if weight.dtype not in _FLOATS or tuple(weight.shape) != (h,) or not weight.is_contiguous():
+        return InputError(weight_field, f"{weight.dtype} {list(weight.shape)}, strides {weight.stride()}",
+                          f"a contiguous bf16, fp16 or fp32 [H] = [{h}] tensor (read with unit stride)",
+                          f"pass the norm's [{h}] weight, with unit stride: {weight_field}.contiguous()")
+    if err := residual_refusal(x, residual):
+        return err
+    if residual is not None and not residual.is_contiguous():
+        return InputError("residual", f"strides {residual.stride()} of {list(residual.shape)}",
+                          "a contiguous tensor (the kernel steps rows by H)", "pass residual.contiguous()")
+    return None
+
+
 def _rms_norm_supports(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None) -> bool:
     tensors = [t for t in (x, weight, residual, out, residual_out) if t is not None]
-    if not triton_can_run(*tensors) or x.dim() == 0:
-        return False
-    H = x.shape[-1]
-    return (x.dtype in _FLOATS and weight.dtype in _FLOATS and 1 <= H <= _MAX_H
-            and x.is_contiguous() and weight.is_contiguous() and tuple(weight.shape) == (H,)
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                      and residual.is_contiguous()))
+    return (triton_can_run(*tensors) and rms_norm_refusal(x, weight, residual) is None
             and (out is None or out.is_contiguous())
             and (residual_out is None or residual_out.is_contiguous()))
 
@@ -93,7 +130,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
                     residual_out: torch.Tensor | None = None, x_pairs: XPairs | None = None, pdl: bool = False):
     """The reference's contract; `out` / `residual_out` (optional) receive the norm and the sum. `x_pairs`
     (optional) receives what the NVFP4 GEMV's x pass would write for the norm, viewed as [M, H] (H a multiple
-    of 16); `pdl`: the next launch is a programmatic dependent launch (`linear.x_pass_pdl`)."""
+    of 16); `pdl`: the next launch is a programmatic dependent launch (`linear.x_pass_pdl`). Operands as
+    `rms_norm_refusal` says."""
+    if err := rms_norm_refusal(x, weight, residual):
+        raise err
     y = torch.empty_like(x) if out is None else out
     s = None if residual is None else (torch.empty_like(x) if residual_out is None else residual_out)
     check_out(y, x.shape, x.dtype, x.device, layout="contiguous")      # its predicate says no to others, so

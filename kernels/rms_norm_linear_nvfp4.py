@@ -25,7 +25,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
     planned,
     x_pairs_for,
 )
-from mtpfactory.kernels.rms_norm import _rms_norm_native, _rms_norm_supports, rms_norm_triton
+from mtpfactory.kernels.rms_norm import _rms_norm_native, _rms_norm_supports, rms_norm_refusal, rms_norm_triton
 from mtpfactory.ops import Op
 
 
@@ -45,8 +45,10 @@ rms_norm_linear_nvfp4 = Op("rms_norm_linear_nvfp4", _rms_norm_linear_nvfp4_nativ
 def rms_norm_linear_nvfp4_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centred: bool,
                                  weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                                  residual: torch.Tensor | None = None, split_work: bool = True):
-    """The Triton provider; the NVFP4 operands refused (`operand_refusal`) before anything is launched."""
-    if err := operand_refusal(x, weight, weight_scale, weight_scale_2):
+    """The Triton provider; the norm's operands (`rms_norm_refusal`) and the NVFP4 ones (`operand_refusal`)
+    refused before anything is launched, as the op's predicate refuses them."""
+    if err := (rms_norm_refusal(x, norm_weight, residual, "norm_weight")
+               or operand_refusal(x, weight, weight_scale, weight_scale_2)):
         raise err
     return _rms_norm_linear_nvfp4(x, norm_weight, eps, zero_centred, weight, weight_scale, weight_scale_2, residual,
                                   split_work)

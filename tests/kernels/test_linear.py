@@ -21,10 +21,12 @@ import torch
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError, WeightsError
 from mtpfactory.kernels.linear import (
+    TILES_16BIT,
     TILES_FP8,
     TMA_MAX_N,
     TMA_MIN_N,
     TMA_TILE,
+    GemvPlan,
     _has_pdl,
     _linear_native,
     _linear_triton_supports,
@@ -32,6 +34,7 @@ from mtpfactory.kernels.linear import (
     linear_triton,
     make_plan,
     plan_for,
+    plan_shape_refusal,
     x_pass_pdl,
 )
 from mtpfactory.kernels.linear_fp8 import linear_fp8
@@ -156,7 +159,8 @@ def test_tma_plans_it_cannot_run_are_refused():
              (x, w, dataclasses.replace(make_plan(4, 70, 64, 64, 32, splits=2), tma=True),
               r"2 K slices and block_m 16 for M = 4: it takes one K slice"),
              (x[:1], w, tma_plan(1, 70, 64), r"M = 1: it takes 2 to 32 rows"),
-             (torch.cat([x] * 5), w, tma_plan(16, 70, 64), r"block_m 16 for M = 20.*block_m at least M")]
+             (torch.cat([x] * 5), w, tma_plan(16, 70, 64), r"block_m 16 for M = 20.*block_m at least M"),
+             (x[:, :0], w[:, :0], tma_plan(4, 70, 0), r"K = 0: a TMA descriptor takes no empty dimension")]
     for xi, wi, plan, match in cases:
         out = torch.full((xi.shape[0], 70), 7.0, dtype=xi.dtype)
         with pytest.raises(ValueError, match=match):
@@ -212,11 +216,72 @@ def test_plans_that_do_not_cover_k_in_whole_steps_are_refused(plan_k, splits, k_
     """A plan made for a shorter K leaves K past its slices unread, and slices that are not whole block_k steps
     overlap: both refused before anything is written."""
     x, w = make_inputs(2, 7, 32, torch.float32)
-    plan = dataclasses.replace(make_plan(2, 7, plan_k, 8, 8), splits=splits, k_per_split=k_per_split)
+    plan = dataclasses.replace(make_plan(2, 7, plan_k, 8, 16), splits=splits, k_per_split=k_per_split)
     out = torch.full((2, 7), 7.0)
     with pytest.raises(InputError, match=f"plan='{splits} K slices of {k_per_split}'.*cover K = 32"):
         linear_triton(x, w, plan=plan, out=out)
     assert bool((out == 7.0).all())
+
+
+# (M, a plan Triton cannot build, the field its refusal names): tiles that are not powers of two (tl.arange and
+# block shapes; TMA's TensorDescriptor) or empty, a dot of K < 16 (runs interpreted, fails to compile for the
+# GPU), a TMA block of 8 bytes a row, a tile past Triton's largest tensor, no K slice, 3 warps, no stage.
+BAD_PLANS = [
+    (1, make_plan(1, 70, 64, block_n=24, block_k=16), "plan.block_n"),
+    (1, make_plan(1, 70, 64, block_n=16, block_k=48), "plan.block_k"),
+    (3, make_plan(3, 70, 64, block_n=16, block_k=16, block_m=3), "plan.block_m"),
+    (4, make_plan(4, 70, 64, block_n=16, block_k=16, block_m=64), "plan.block_m"),
+    (1, GemvPlan(1, 16, 0, 1, 64), "plan.block_k"),
+    (1, GemvPlan(1, 0, 16, 1, 64), "plan.block_n"),
+    (4, make_plan(4, 70, 64, block_n=16, block_k=8), "plan.block_k"),
+    (4, make_plan(4, 70, 64, 24, 128, tma=True), "plan.block_n"),
+    (4, make_plan(4, 70, 64, 64, 128, block_m=24, tma=True), "plan.block_m"),
+    (4, make_plan(4, 70, 64, 64, 4, tma=True), "plan.block_k"),
+    (1, make_plan(1, 70, 64, block_n=2048, block_k=1024), "plan"),
+    (1, dataclasses.replace(make_plan(1, 70, 64, block_n=16, block_k=16), splits=0), "plan.splits"),
+    (1, make_plan(1, 70, 64, block_n=16, block_k=16, num_warps=3), "plan.num_warps"),
+    (1, make_plan(1, 70, 64, block_n=16, block_k=16, num_stages=0), "plan.num_stages"),
+]
+BAD_PLAN_IDS = ["bn24", "bk48", "bm3", "bm64", "bk0", "bn0", "dot_bk8", "tma_bn24", "tma_bm24", "tma_bk4", "numel",
+                "splits0", "warps3", "stages0"]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("m,plan,field", BAD_PLANS, ids=BAD_PLAN_IDS)
+def test_plans_triton_cannot_build_are_refused(m, plan, field, fp8):
+    """One rule (`plan_shape_refusal`) for every given plan, checked before its K slices: each plan Triton
+    cannot build is refused naming the plan's field and value (these used to crash in the interpreter, divide
+    by zero, or fail in TensorDescriptor or the GPU compile), and nothing is written."""
+    x, w = make_inputs(m, 70, 64, torch.bfloat16)
+    scale = None
+    if fp8:
+        w, scale = w.to(torch.float8_e4m3fn), torch.ones(70)
+    out = torch.full((m, 70), 7.0, dtype=torch.bfloat16)
+    with ops.use_backend("triton"), pytest.raises(InputError) as err:
+        linear_triton(x, w, plan=plan, out=out, weight_scale=scale)
+    assert err.value.field == field, str(err.value)
+    if field != "plan":
+        assert err.value.value == getattr(plan, field.removeprefix("plan."))
+    assert plan_shape_refusal(plan) is not None
+    assert bool((out == 7.0).all())
+
+
+def test_the_planners_plans_are_plans_triton_can_build():
+    """`plan_shape_refusal` refuses nothing the planner makes (every M, the tests' shapes and the GPU's, split
+    or not, both tile tables, TMA or not) nor the tests' own explicit plans."""
+    shapes = SHAPES + GPU_SHAPES + [(7, 1024), (5, 512), (1000, 1000), (151936, 2048), (TMA_MIN_N, 2048),
+                                    (TMA_MAX_N, 2048), (TMA_MAX_N + 1, 4096), (8, 0)]
+    for n, k in shapes:
+        for m in range(1, 33):
+            for split_k in (False, True):
+                for tiles in (TILES_16BIT, TILES_FP8):
+                    for tma in (False, True):
+                        plan = plan_for(m, n, k, split_k, tiles, tma)
+                        assert plan_shape_refusal(plan) is None, (m, n, k, split_k, tma, plan)
+    for m in MS:
+        for n, k in SHAPES:
+            for plan in explicit_plans(m, n, k) + [tma_plan(m, n, k), tma_plan(m, n, k, 32, 64, 2)]:
+                assert plan_shape_refusal(plan) is None, (m, n, k, plan)
 
 
 def test_op_dispatch_uses_triton_under_triton_backend(monkeypatch):

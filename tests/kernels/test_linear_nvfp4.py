@@ -25,14 +25,16 @@ import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError, MtpfError
-from mtpfactory.kernels.linear import make_plan, plan_for
+from mtpfactory.kernels.linear import GemvPlan, make_plan, plan_for
 from mtpfactory.kernels.linear_nvfp4 import (
+    _default_plan,
     _linear_nvfp4_native,
     _linear_nvfp4_supports,
     TILES_NVFP4,
     default_plan,
     linear_nvfp4,
     linear_nvfp4_triton,
+    plan_refusal,
     uses_f16_dot,
     uses_f16_gemv,
 )
@@ -428,6 +430,59 @@ def test_plan_block_m_must_be_a_gemv_or_a_dot(m, dtype, block_m):
     with ops.use_backend("triton"), pytest.raises(ValueError, match=f"block_m = {block_m} for M = {m}"):
         linear_nvfp4_triton(x, *w, out=out, plan=make_plan(m, 7, 32, block_n=8, block_k=32, block_m=block_m))
     assert out.isnan().all()
+
+
+# (M, a plan Triton cannot build, the field its refusal names), on K = 96: block_k 48 (a multiple of 16, not a
+# power of two), tiles that are not powers of two or empty, block_m 3 for one row of bf16 x (which used to
+# reach the tensor-core kernel as BLOCK_M = 3), no K slice, 3 warps, no stage.
+BAD_PLANS = [
+    (1, make_plan(1, 7, 96, block_n=8, block_k=48), "plan.block_k"),
+    (1, make_plan(1, 7, 96, block_n=24, block_k=32), "plan.block_n"),
+    (1, make_plan(1, 7, 96, block_n=8, block_k=32, block_m=3), "plan.block_m"),
+    (3, make_plan(3, 7, 96, block_n=8, block_k=32, block_m=3), "plan.block_m"),
+    (1, GemvPlan(1, 8, 0, 1, 96), "plan.block_k"),
+    (1, GemvPlan(1, 0, 32, 1, 96), "plan.block_n"),
+    (1, dataclasses.replace(make_plan(1, 7, 96, block_n=8, block_k=32), splits=0), "plan.splits"),
+    (1, make_plan(1, 7, 96, block_n=8, block_k=32, num_warps=3), "plan.num_warps"),
+    (17, make_plan(17, 7, 96, block_n=8, block_k=32, num_stages=0), "plan.num_stages"),
+]
+
+
+@pytest.mark.parametrize("m,plan,field", BAD_PLANS, ids=["bk48", "bn24", "bm3_m1", "bm3_m3", "bk0", "bn0", "splits0",
+                                                         "warps3", "stages0"])
+def test_plans_triton_cannot_build_are_refused(m, plan, field):
+    """`plan_refusal` asks `plan_shape_refusal` first (the rule `linear_triton` applies): each plan Triton cannot
+    build is refused naming the plan's field and value, before any launch, and nothing is written."""
+    x, *w = nvfp4_inputs(m, 7, 96, torch.bfloat16)
+    out = torch.full((m, 7), float("nan"), dtype=torch.bfloat16)
+    with ops.use_backend("triton"), pytest.raises(InputError) as err:
+        linear_nvfp4_triton(x, *w, out=out, plan=plan)
+    assert err.value.field == field, str(err.value)
+    assert err.value.value == getattr(plan, field.removeprefix("plan."))
+    assert out.isnan().all()
+
+
+def test_the_planners_plans_pass_plan_refusal(monkeypatch):
+    """`plan_refusal` (with `plan_shape_refusal`) refuses nothing the planner makes: every M, each x dtype, the
+    tests' shapes and the GPU's, split or not, on the small weights' tables and the LM heads' (every weight
+    counted as one), with and without the wgmma kernel; nor the tests' own explicit plans."""
+    shapes = [(1, 16), (7, 48), (33, 80), (130, 48), (33, 208), (40, 256), (7, 1024), (5, 512), (4096, 2048),
+              (2048, 4096), (1000, 4112), (8192, 2048), (151936, 2048), (154880, 4096)]
+    for lm_head_min in (linear_nvfp4_module.LM_HEAD_MIN_ELEMENTS, 0):
+        monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", lm_head_min)
+        for n, k in shapes:
+            for m in range(1, 33):
+                for dtype in DTYPES:
+                    for split_k in (False, True):
+                        x16 = dtype != torch.float32
+                        plans = [default_plan(torch.empty(m, k, dtype=dtype), n, k, split_k),
+                                 _default_plan(m, n, k, split_k, x16, x16)]
+                        for plan in plans:
+                            assert plan_refusal(plan, m, k, x16) is None, (m, n, k, dtype, split_k, plan)
+    for m in (1, 3, 17, 32):
+        for n, k in ((1, 16), (7, 48), (33, 80), (130, 48)):
+            for plan in explicit_plans(m, n, k, first_block_k=32, fma_m=False):
+                assert plan_refusal(plan, m, k, True) is None, (m, n, k, plan)
 
 
 def test_weight_rows_must_start_on_words():

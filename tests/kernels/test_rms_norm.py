@@ -8,7 +8,8 @@ import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError
-from mtpfactory.kernels.rms_norm import rms_norm
+from mtpfactory.kernels.rms_norm import _rms_norm_supports, rms_norm, rms_norm_triton
+from norm_cases import NORM_CASES, bad_norm_operands
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (leading dims, H): H in {1, 7, 64, 130}, rows in {1, 5, 33}, and a 3-D input.
@@ -108,6 +109,40 @@ def test_out_means_the_same_on_every_provider():
         with ops.use_backend(backend), pytest.raises(InputError, match=r"out='bfloat16 \[3, 32\] on cpu"):
             rms_norm(x, w, 1e-6, True, out=wrong)
         assert wrong.isnan().all()
+
+
+@pytest.mark.parametrize("case", NORM_CASES)
+def test_operands_the_kernel_cannot_take_are_refused_by_the_provider_as_by_the_predicate(case):
+    """One rule (`rms_norm_refusal`) for the predicate and `rms_norm_triton` called directly (the fused LM head
+    op, scripts): each operand it cannot take is refused by both, naming the operand, and nothing is written."""
+    gen = torch.Generator().manual_seed(6)
+    x, res = (torch.randn(3, 48, generator=gen).to(torch.bfloat16) for _ in range(2))
+    (xi, wi, ri), field, message = bad_norm_operands(x, torch.randn(48, generator=gen).to(torch.bfloat16), res)[case]
+    out, res_out = poisoned(x), poisoned(x)
+    with ops.use_backend("triton"):
+        assert not _rms_norm_supports(xi, wi, 1e-6, True, ri)
+        with pytest.raises(InputError, match=rf"^{field}=.*{message}"):
+            rms_norm_triton(xi, wi, 1e-6, True, ri, out=out, residual_out=None if ri is None else res_out)
+    assert out.isnan().all() and res_out.isnan().all()
+
+
+def test_a_residual_of_another_dtype_or_shape_is_refused_by_every_provider():
+    """The norm and the sum come back in x's dtype from every provider, so a residual of another dtype (bf16 x,
+    fp32 residual: the reference used to promote and return both in fp32, the kernel bf16) or shape (broadcast)
+    is refused naming it: by the reference (`native`, and `auto`, which falls back to it on the CPU) as by the
+    Triton provider (called directly: under `triton` the op's predicate says no)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    w = torch.randn(64, generator=gen).to(torch.bfloat16)
+    res = torch.randn(3, 64, generator=gen)
+    for bad in (res, res[0].to(torch.bfloat16)):
+        for backend in ("native", "auto"):
+            with ops.use_backend(backend), pytest.raises(InputError, match=r"^residual=.*x's shape and dtype"):
+                rms_norm(x, w, 1e-6, True, bad)
+        with ops.use_backend("triton"), pytest.raises(InputError, match=r"^residual=.*x's shape and dtype"):
+            rms_norm_triton(x, w, 1e-6, True, bad)
+    y, s = rms_norm.reference(x, w, 1e-6, True, res.to(torch.bfloat16))
+    assert y.dtype == s.dtype == torch.bfloat16
 
 
 @pytest.mark.gpu

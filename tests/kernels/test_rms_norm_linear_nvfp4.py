@@ -12,14 +12,20 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError, WeightsError
+from mtpfactory.errors import ConfigError, InputError, WeightsError
 from mtpfactory.kernels.linear_nvfp4 import XPairs, linear_nvfp4_triton, x_pass_split
 from mtpfactory.kernels.rms_norm import rms_norm_triton
-from mtpfactory.kernels.rms_norm_linear_nvfp4 import rms_norm_linear_nvfp4, rms_norm_linear_nvfp4_triton
+from mtpfactory.kernels.rms_norm_linear_nvfp4 import (
+    _rms_norm_linear_nvfp4_supports,
+    rms_norm_linear_nvfp4,
+    rms_norm_linear_nvfp4_triton,
+)
 from mtpfactory.quant import dequantize_nvfp4
 from gemv_common import F16_SUM_RTOL, assert_matches, assert_pdl_reads_its_own_x, nvfp4_inputs, x_pass_reference
+from norm_cases import NORM_CASES, bad_norm_operands
 
 linear_nvfp4_module = importlib.import_module("mtpfactory.kernels.linear_nvfp4")   # the package exports the Op
+fused_module = importlib.import_module("mtpfactory.kernels.rms_norm_linear_nvfp4")
 
 
 @pytest.fixture
@@ -152,6 +158,24 @@ def test_dispatch_and_refusal():
         rms_norm_linear_nvfp4(x[None], norm_w, 1e-6, False, *w, residual=res[None])
     with ops.use_backend("triton"), pytest.raises(WeightsError, match="^weight_scale=.*float8_e4m3fn"):
         rms_norm_linear_nvfp4_triton(x, norm_w, 1e-6, False, w[0], w[1].float(), w[2], residual=res)
+
+
+@pytest.mark.parametrize("case", NORM_CASES)
+def test_norm_operands_are_refused_by_the_provider_as_by_the_predicate(case, monkeypatch):
+    """Called directly, the provider refuses the norm's operands as the op's predicate does (`rms_norm_refusal`,
+    the norm's weight named norm_weight), before it plans or launches anything: a strided x or norm weight used
+    to run and give logits off by up to 15, a short norm weight to read past its end, an fp32 residual to be
+    rounded to bf16 where the reference kept fp32."""
+    x, norm_w, w, res = _inputs(2, 7, 48, 0, True)
+    (xi, wi, ri), field, message = bad_norm_operands(x, norm_w, res)[case]
+    field = "norm_weight" if field == "weight" else field
+    message = message.replace("weight.contiguous", "norm_weight.contiguous")
+    with ops.use_backend("triton"):
+        assert not _rms_norm_linear_nvfp4_supports(xi, wi, 1e-6, True, *w, residual=ri)
+    for name in ("planned", "rms_norm_triton", "_run_planned"):
+        monkeypatch.setattr(fused_module, name, lambda *a, name=name, **k: pytest.fail(f"{name} called"))
+    with ops.use_backend("triton"), pytest.raises(InputError, match=rf"^{field}=.*{message}"):
+        rms_norm_linear_nvfp4_triton(xi, wi, 1e-6, True, *w, residual=ri)
 
 
 @pytest.mark.gpu
