@@ -508,6 +508,12 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     [N]) scales each output column, for FP8 weights."""
     if err := operand_refusal(x, weight, weight_scale):
         raise err
+    return _linear_launch(x, weight, split_k, out, plan, weight_scale)
+
+
+def _linear_launch(x: torch.Tensor, weight: torch.Tensor, split_k: bool, out: torch.Tensor | None,
+                   plan: GemvPlan | None, weight_scale: torch.Tensor | None) -> torch.Tensor:
+    """`linear_triton` on operands `operand_refusal` passed (the ops' predicates checked them: one check a call)."""
     m, k = x.shape
     n = weight.shape[0]
     out = ops.out_or_empty(out, (m, n), x.dtype, x.device)
@@ -605,7 +611,7 @@ def _linear_triton_supports(x: torch.Tensor, weight: torch.Tensor, split_work: b
 
 
 def _linear_triton_op(x: torch.Tensor, weight: torch.Tensor, split_work: bool = True) -> torch.Tensor:
-    return linear_triton(x, weight, split_k=split_work)
+    return _linear_launch(x, weight, split_work, None, None, None)
 
 
 linear.register_provider("triton", _linear_triton_op, _linear_triton_supports)

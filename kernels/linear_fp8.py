@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpfactory.kernels.linear import GemvPlan, linear_triton, operand_refusal
+from mtpfactory.kernels.linear import GemvPlan, _linear_launch, linear_triton, operand_refusal
 from mtpfactory.ops import Op, triton_can_run
 
 
@@ -37,7 +37,7 @@ def _linear_fp8_supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 def _linear_fp8_triton_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                           split_work: bool = True) -> torch.Tensor:
-    return linear_fp8_triton(x, weight, weight_scale, split_k=split_work)
+    return _linear_launch(x, weight, split_work, None, None, weight_scale)   # the predicate checked the operands
 
 
 linear_fp8.register_provider("triton", _linear_fp8_triton_op, _linear_fp8_supports)

@@ -134,6 +134,14 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     `rms_norm_refusal` says."""
     if err := rms_norm_refusal(x, weight, residual):
         raise err
+    return rms_norm_launch(x, weight, eps, zero_centred, residual, out, residual_out, x_pairs, pdl)
+
+
+def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
+                    residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    residual_out: torch.Tensor | None = None, x_pairs: XPairs | None = None, pdl: bool = False):
+    """`rms_norm_triton` on operands `rms_norm_refusal` passed (the op's predicate, or the fused LM head op's
+    provider, checked them: one check a call)."""
     y = torch.empty_like(x) if out is None else out
     s = None if residual is None else (torch.empty_like(x) if residual_out is None else residual_out)
     check_out(y, x.shape, x.dtype, x.device, layout="contiguous")      # its predicate says no to others, so
@@ -166,4 +174,4 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     return y if residual is None else (y, s)
 
 
-rms_norm.register_provider("triton", rms_norm_triton, _rms_norm_supports)
+rms_norm.register_provider("triton", rms_norm_launch, _rms_norm_supports)

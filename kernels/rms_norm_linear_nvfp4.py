@@ -25,7 +25,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
     planned,
     x_pairs_for,
 )
-from mtpfactory.kernels.rms_norm import _rms_norm_native, _rms_norm_supports, rms_norm_refusal, rms_norm_triton
+from mtpfactory.kernels.rms_norm import _rms_norm_native, _rms_norm_supports, rms_norm_launch, rms_norm_refusal
 from mtpfactory.ops import Op
 
 
@@ -64,7 +64,7 @@ def _rms_norm_linear_nvfp4(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     plan = planned(x, n, k, split_work, weight, weight_scale)[0] if m and n else None   # once: pairs and GEMV
     x_pairs = None if plan is None else x_pairs_for(x, n, k, plan)
     pdl = x_pairs is not None and x_pass_pdl(x)
-    normed = rms_norm_triton(x, norm_weight, eps, zero_centred, residual, x_pairs=x_pairs, pdl=pdl)
+    normed = rms_norm_launch(x, norm_weight, eps, zero_centred, residual, x_pairs=x_pairs, pdl=pdl)
     y = normed if residual is None else normed[0]
     logits = _run_planned(y, weight, weight_scale, weight_scale_2, None, plan, x_pairs)
     return (logits, y) if residual is None else (logits, *normed)

@@ -172,7 +172,7 @@ def test_norm_operands_are_refused_by_the_provider_as_by_the_predicate(case, mon
     message = message.replace("weight.contiguous", "norm_weight.contiguous")
     with ops.use_backend("triton"):
         assert not _rms_norm_linear_nvfp4_supports(xi, wi, 1e-6, True, *w, residual=ri)
-    for name in ("planned", "rms_norm_triton", "_run_planned"):
+    for name in ("planned", "rms_norm_launch", "_run_planned"):
         monkeypatch.setattr(fused_module, name, lambda *a, name=name, **k: pytest.fail(f"{name} called"))
     with ops.use_backend("triton"), pytest.raises(InputError, match=rf"^{field}=.*{message}"):
         rms_norm_linear_nvfp4_triton(xi, wi, 1e-6, True, *w, residual=ri)
