@@ -15,9 +15,11 @@ often the tests launch it.
 
 The GPU path: launchers set some constexprs from `x.is_cuda`, so the interpreter never takes their branch:
 USE_ASM (the inline PTX, `tl.inline_asm_elementwise`), LIBDEVICE_TRIG (rope's libdevice cos/sin), LOWP_DOT
-(16-bit tensor-core dots) and PDL (`gdc_wait`, with the launch option launch_pdl). Every specialization with
-one of these False is compiled a second time with all of them True (marked `gpu path`: more than the GPU
-runs, which takes PDL only beside x's pass and LOWP_DOT only for 16-bit x, but each compiles). Not flipped:
+(16-bit tensor-core dots) and PDL (`gdc_wait`, with the launch option launch_pdl); the MoE kernels' INTERP
+(True in the interpreter: its own fp8 and dot workarounds) the other way. Every specialization with one of
+these as the interpreter sets it is compiled a second time with all of them as the GPU sets them (marked `gpu
+path`: more than the GPU runs, which takes PDL only beside x's pass and LOWP_DOT only for 16-bit x, but each
+compiles). Not flipped:
 paged attention's `fast_dot` (DOT_DTYPE bf16/fp16 instead of fp32; its tests on the CPU never ask for it).
 
 Not covered: Gluon kernels (`@gluon.jit`, gemm_nvfp4_wgmma.py) cannot run in the interpreter, so no launch is
@@ -50,6 +52,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_FLAGS = ("USE_ASM", "LIBDEVICE_TRIG", "LOWP_DOT", "PDL")    # constexprs the launchers set from x.is_cuda
+INTERP_FLAGS = ("INTERP",)                                      # ... and from not x.is_cuda (the MoE kernels)
 TARGET = ("cuda", 90, 32)                                       # the H200; CUDA's warp is 32 threads
 
 
@@ -109,13 +112,14 @@ def key(spec: dict) -> tuple:
 
 
 def gpu_path(spec: dict) -> dict | None:
-    """The spec with the GPU-only constexprs True, or None where none of them is False."""
+    """The spec as the GPU launches it (GPU_FLAGS True, INTERP_FLAGS False), or None where it already is."""
     off = tuple(f for f in GPU_FLAGS if spec["constexprs"].get(f) is False)
-    if not off:
+    interp = tuple(f for f in INTERP_FLAGS if spec["constexprs"].get(f) is True)
+    if not off and not interp:
         return None
     options = {**spec["options"], "launch_pdl": True} if "PDL" in off else spec["options"]
-    return {**spec, "constexprs": {**spec["constexprs"], **dict.fromkeys(off, True)}, "options": options,
-            "gpu_path": off}
+    return {**spec, "constexprs": {**spec["constexprs"], **dict.fromkeys(off, True), **dict.fromkeys(interp, False)},
+            "options": options, "gpu_path": off + interp}
 
 
 def describe(spec: dict) -> str:
