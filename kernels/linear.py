@@ -29,7 +29,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mtpfactory import ops
-from mtpfactory.errors import InputError, WeightsError
+from mtpfactory.errors import InputError, MtpfError, WeightsError
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.ops import Op, triton_can_run
 
@@ -614,4 +614,8 @@ def _linear_triton_op(x: torch.Tensor, weight: torch.Tensor, split_work: bool = 
     return _linear_launch(x, weight, split_work, None, None, None)
 
 
-linear.register_provider("triton", _linear_triton_op, _linear_triton_supports)
+def _linear_triton_refusal(x: torch.Tensor, weight: torch.Tensor, split_work: bool = True) -> MtpfError | None:
+    return operand_refusal(x, weight)
+
+
+linear.register_provider("triton", _linear_triton_op, _linear_triton_supports, _linear_triton_refusal)

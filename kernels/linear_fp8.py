@@ -40,4 +40,8 @@ def _linear_fp8_triton_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     return _linear_launch(x, weight, split_work, None, None, weight_scale)   # the predicate checked the operands
 
 
-linear_fp8.register_provider("triton", _linear_fp8_triton_op, _linear_fp8_supports)
+def _linear_fp8_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, split_work: bool = True):
+    return operand_refusal(x, weight, weight_scale)
+
+
+linear_fp8.register_provider("triton", _linear_fp8_triton_op, _linear_fp8_supports, _linear_fp8_refusal)

@@ -1286,4 +1286,9 @@ def _linear_nvfp4_triton_op(x: torch.Tensor, weight: torch.Tensor, weight_scale:
     return _linear_nvfp4_launch(x, weight, weight_scale, weight_scale_2, split_work, None, None, None)
 
 
-linear_nvfp4.register_provider("triton", _linear_nvfp4_triton_op, _linear_nvfp4_supports)
+def _linear_nvfp4_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                          weight_scale_2: torch.Tensor, split_work: bool = True) -> MtpfError | None:
+    return operand_refusal(x, weight, weight_scale, weight_scale_2)
+
+
+linear_nvfp4.register_provider("triton", _linear_nvfp4_triton_op, _linear_nvfp4_supports, _linear_nvfp4_refusal)

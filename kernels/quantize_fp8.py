@@ -173,4 +173,8 @@ def _quantize_fp8_native(w: torch.Tensor, name: str = "weight", *,
 
 
 quantize_fp8 = Op("quantize_fp8", _quantize_fp8_native)
-quantize_fp8.register_provider("triton", quantize_fp8_triton, _quantize_fp8_supports)
+def _quantize_fp8_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> WeightsError | None:
+    return weight_refusal(w, name)
+
+
+quantize_fp8.register_provider("triton", quantize_fp8_triton, _quantize_fp8_supports, _quantize_fp8_refusal)

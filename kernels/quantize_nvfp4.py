@@ -138,4 +138,8 @@ def _quantize_nvfp4_native(w: torch.Tensor, name: str = "weight", *,
 
 
 quantize_nvfp4 = Op("quantize_nvfp4", _quantize_nvfp4_native)
-quantize_nvfp4.register_provider("triton", quantize_nvfp4_triton, _quantize_nvfp4_supports)
+def _quantize_nvfp4_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> WeightsError | None:
+    return _refusal(w, name)
+
+
+quantize_nvfp4.register_provider("triton", quantize_nvfp4_triton, _quantize_nvfp4_supports, _quantize_nvfp4_refusal)

@@ -174,4 +174,8 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     return y if residual is None else (y, s)
 
 
-rms_norm.register_provider("triton", rms_norm_launch, _rms_norm_supports)
+def _rms_norm_call_refusal(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None):
+    return rms_norm_refusal(x, weight, residual)
+
+
+rms_norm.register_provider("triton", rms_norm_launch, _rms_norm_supports, _rms_norm_call_refusal)

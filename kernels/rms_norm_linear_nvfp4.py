@@ -77,4 +77,11 @@ def _rms_norm_linear_nvfp4_supports(x: torch.Tensor, norm_weight: torch.Tensor, 
             and _linear_nvfp4_supports(x, weight, weight_scale, weight_scale_2))
 
 
-rms_norm_linear_nvfp4.register_provider("triton", _rms_norm_linear_nvfp4, _rms_norm_linear_nvfp4_supports)
+def _rms_norm_linear_nvfp4_refusal(x, norm_weight, eps, zero_centred, weight, weight_scale, weight_scale_2,
+                                   residual=None, split_work=True):
+    return (rms_norm_refusal(x, norm_weight, residual, "norm_weight")
+            or operand_refusal(x, weight, weight_scale, weight_scale_2))
+
+
+rms_norm_linear_nvfp4.register_provider("triton", _rms_norm_linear_nvfp4, _rms_norm_linear_nvfp4_supports,
+                                        _rms_norm_linear_nvfp4_refusal)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpfactory.errors import ConfigError, InputError
+from mtpfactory.errors import ConfigError, InputError, MtpfError, _show
 from mtpfactory.registry import _qualname, same_definition
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,9 @@ class Provider:
     name: str
     fn: Callable
     supports: Callable[..., bool]
+    #: why `supports` says no to a call (an MtpfError, or None), asked only to word the error of an explicit
+    #: backend that cannot serve it; providers that have one rule for predicate and provider pass it
+    refusal: Callable[..., Exception | None] | None = None
 
 
 class Op:
@@ -54,7 +57,8 @@ class Op:
         self.providers: dict[str, Provider] = {}
         _OPS[name] = self
 
-    def register_provider(self, name: str, fn: Callable, supports: Callable[..., bool]) -> None:
+    def register_provider(self, name: str, fn: Callable, supports: Callable[..., bool],
+                          refusal: Callable[..., Exception | None] | None = None) -> None:
         """Attach a fast provider. Registering the same function again (the same object, or the same `def`
         run again by a module re-import) replaces it; any other function under a taken name is refused."""
         old = self.providers.get(name)
@@ -62,7 +66,7 @@ class Op:
             raise ConfigError(f"op {self.name} provider", name,
                               f"already registered by {_qualname(old.fn)} ({_where(old.fn)}), not {_where(fn)}",
                               "give the provider another name")
-        self.providers[name] = Provider(name, fn, supports)
+        self.providers[name] = Provider(name, fn, supports, refusal)
 
     def __call__(self, *args, **kwargs):
         backend = _backend.get()
@@ -73,8 +77,12 @@ class Op:
             if p is not None and p.supports(*args, **kwargs):
                 return p.fn(*args, **kwargs)
         if backend != "auto":
+            p = self.providers.get(backend)
+            why = p.refusal(*args, **kwargs) if p is not None and p.refusal is not None else None
+            because = (f"; it refuses {why.field}={_show(why.value)}: {why.allowed}" if isinstance(why, MtpfError)
+                       else f"; it refuses: {why}" if why is not None else "")
             raise ConfigError("runtime.backend", backend, f"op {self.name} has no {backend} provider for this call "
-                              f"({_describe(args, kwargs)}; providers: {['native', *self.providers]})",
+                              f"({_describe(args, kwargs)}; providers: {['native', *self.providers]}{because})",
                               "use runtime.backend=auto to fall back to the reference per op")
         if log.isEnabledFor(logging.DEBUG):     # _describe costs microseconds on every op of a CPU run
             log.debug("op %s: no fast provider serves this call (%s); using native", self.name,

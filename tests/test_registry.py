@@ -214,3 +214,20 @@ def test_a_refused_op_call_names_its_keyword_tensors_too(monkeypatch):
     op = ops.Op("test_op", lambda x, *, out=None: x)
     with ops.use_backend("triton"), pytest.raises(ConfigError, match=r"\(2, 3\) float32 cpu, out=\(2, 3\) int64 cpu"):
         op(torch.zeros(2, 3), out=torch.zeros(2, 3, dtype=torch.int64))
+
+
+def test_an_explicit_backend_that_cannot_serve_a_call_says_why_where_its_provider_knows(monkeypatch):
+    """A provider registered with its refusal (the rule its predicate applies) has the reason worded into the
+    error of `runtime.backend=triton`; one without says only that it cannot serve the call."""
+    from mtpfactory.errors import InputError
+    monkeypatch.setattr(ops, "_OPS", {})
+    op = ops.Op("test_op_why", lambda x: x)
+    op.register_provider("triton", lambda x: x, lambda x: x.dim() == 2,
+                         lambda x: None if x.dim() == 2 else InputError("x", f"{x.dim()}-D", "a 2-D tensor", "(a test)"))
+    with ops.use_backend("triton"), pytest.raises(ConfigError, match=r"it refuses x='1-D': a 2-D tensor\)"):
+        op(torch.zeros(3))
+    plain = ops.Op("test_op_plain", lambda x: x)
+    plain.register_provider("triton", lambda x: x, lambda x: False)
+    with ops.use_backend("triton"), pytest.raises(ConfigError) as e:
+        plain(torch.zeros(3))
+    assert "refuses" not in str(e.value)
