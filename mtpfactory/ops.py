@@ -5,7 +5,7 @@
 - `auto`: the first fast provider whose predicate accepts the call (device, dtype, shape), else the
   reference, logging the fallback at debug level;
 - `triton`: the Triton provider, and an error naming the op when it cannot serve the call (never a
-  silent fallback).
+  silent fallback), with the reason where the provider registered its rule (`refusal`).
 
 The ops themselves are defined in `mtpfactory.kernels` (one file each). A head runs its forward inside
 `use_backend(...)`, so components call them plainly (`K.rms_norm(x, w, eps, zero_centred)`, with
