@@ -10,9 +10,20 @@ from mtpfactory.errors import InputError
 from mtpfactory.ops import Op, out_or_empty, triton_can_run, write_out
 
 
+def _argmax_shape_refusal(logits: torch.Tensor) -> InputError | None:
+    """Why no provider can take the argmax of these rows, or None: a row of V = 0 logits has no index."""
+    if logits.dim() > 0 and logits.shape[-1] == 0:
+        return InputError("logits", f"{logits.dtype} {list(logits.shape)}",
+                          "at least one logit a row (V >= 1): an empty row has no argmax",
+                          "pass the rows of the vocabulary's logits")
+    return None
+
+
 def _argmax_native(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """logits: [B, V]. Returns int64 [B]: the first index of each row's maximum (written into `out` when
-    given)."""
+    """logits: [B, V], V >= 1. Returns int64 [B]: the first index of each row's maximum (written into `out`
+    when given)."""
+    if err := _argmax_shape_refusal(logits):
+        raise err
     return write_out(out, torch.argmax(logits, dim=-1))
 
 
@@ -65,30 +76,73 @@ def _argmax_partials_kernel(part_val_ptr, part_idx_ptr, out_ptr, stride_o, n_chu
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK = 2048  # elements per first-stage program: V = 152k gives 75 programs a row
-_MAX_V = 2**30  # indices are int32 in the kernel; grid axis 1 (chunks) stops at 65535
+_MAX_V = 2**30  # indices are int32 in the kernel
+_MAX_ROWS = 2**31 - 1  # grid axis 0 (rows)
+_MAX_CHUNKS = 65535  # grid axis 1 (chunks of a row)
+
+
+def _chunk_for(V: int, chunk: int | None) -> int:
+    """The launch's chunk: `chunk` capped at V; None: `_CHUNK`, or, for V past 65535 * 2048, the least power of
+    two that cuts V into at most 65535 chunks."""
+    if chunk is None:
+        chunk = max(_CHUNK, triton.next_power_of_2(triton.cdiv(V, _MAX_CHUNKS)))
+    return min(chunk, triton.next_power_of_2(V))
+
+
+def argmax_refusal(logits: torch.Tensor, chunk: int | None = None) -> InputError | None:
+    """Why `argmax_triton` cannot take these logits in chunks of `chunk`, as the error it raises (the op's
+    predicate says no to the same logits, with chunk None), or None: logits a 2-D bf16, fp16 or fp32 [B, V],
+    1 <= V <= 2^30 (int32 indices), B < 2^31 (the grid), unit stride along V (rows at any stride); a given
+    chunk a power of two, of at most 2^20 elements (one tl.arange) once capped at V, that cuts V into at most
+    65535 chunks (the grid)."""
+    if logits.dim() != 2 or logits.dtype not in _FLOATS:
+        return InputError("logits", f"{logits.dtype} {list(logits.shape)}", "a 2-D bf16, fp16 or fp32 [B, V] tensor",
+                          "call the op (`argmax`) under runtime.backend=auto: it runs the reference for others")
+    if err := _argmax_shape_refusal(logits):
+        return err
+    B, V = logits.shape
+    if V > _MAX_V or B > _MAX_ROWS:
+        return InputError("logits", f"[B, V] = {[B, V]}", f"V <= {_MAX_V} (int32 indices) and B <= {_MAX_ROWS} "
+                          "(the grid's first dimension)",
+                          "call the op (`argmax`) under runtime.backend=auto: it runs the reference for others")
+    if V > 1 and logits.stride(1) != 1:
+        return InputError("logits", f"strides {logits.stride()} of {[B, V]}",
+                          "unit stride along V (the kernel reads a row's logits in a row; rows at any stride)",
+                          "pass logits.contiguous()")
+    if chunk is None:
+        return None
+    if chunk < 1 or chunk & (chunk - 1) or _chunk_for(V, chunk) > tl.TRITON_MAX_TENSOR_NUMEL:
+        return InputError("chunk", chunk, f"a power of two, at most {tl.TRITON_MAX_TENSOR_NUMEL} once capped at V "
+                          f"= {V} (one tl.arange)", "leave chunk=None (the op's)")
+    if triton.cdiv(V, _chunk_for(V, chunk)) > _MAX_CHUNKS:
+        return InputError("chunk", chunk, f"at most {_MAX_CHUNKS} chunks of V = {V} (the grid's second dimension)",
+                          f"use chunk >= {triton.next_power_of_2(triton.cdiv(V, _MAX_CHUNKS))}")
+    return None
 
 
 def _argmax_supports(logits, out=None) -> bool:
     """Through the op, `chunk` (the provider's tuning argument) is not taken: the reference has none, so a call
     means the same under every backend. Tests and sweeps pass it to `argmax_triton` itself."""
     tensors = [t for t in (logits, out) if t is not None]
-    return (triton_can_run(*tensors) and logits.dim() == 2 and logits.dtype in _FLOATS
-            and logits.stride(-1) == 1 and 1 <= logits.shape[1] <= _MAX_V
-            and triton.cdiv(logits.shape[1], _CHUNK) <= 65535)
+    return triton_can_run(*tensors) and argmax_refusal(logits) is None
 
 
-def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: int = _CHUNK) -> torch.Tensor:
+def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """The reference's contract; `out` (optional, any stride): int64 [B]; `chunk`: V elements per first-stage
-    program (a power of two)."""
+    program (a power of two; None: the op's, `_chunk_for`). Operands as `argmax_refusal` says."""
+    if err := argmax_refusal(logits, chunk):
+        raise err
+    return argmax_launch(logits, out, chunk)
+
+
+def argmax_launch(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+    """`argmax_triton` on operands `argmax_refusal` passed (the op's predicate checked them: one check a call)."""
     B, V = logits.shape
     y = out_or_empty(out, (B,), torch.int64, logits.device)
     if B == 0:
         return y
-    chunk = min(chunk, triton.next_power_of_2(V))
+    chunk = _chunk_for(V, chunk)
     n_chunks = triton.cdiv(V, chunk)
-    if n_chunks > 65535:
-        raise InputError("chunk", chunk, f"at most 65535 chunks of V = {V} (the grid's second dimension)",
-                         f"use chunk >= {triton.next_power_of_2(triton.cdiv(V, 65535))}")
     if n_chunks == 1:
         _argmax_chunk_kernel[(B, 1)](logits, logits.stride(0), V, y, y, y, y.stride(0), 1, CHUNK=chunk,
                                      SINGLE=True)
@@ -102,4 +156,8 @@ def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: 
     return y
 
 
-argmax.register_provider("triton", argmax_triton, _argmax_supports)
+def _argmax_call_refusal(logits, out=None):
+    return argmax_refusal(logits)
+
+
+argmax.register_provider("triton", argmax_launch, _argmax_supports, _argmax_call_refusal)

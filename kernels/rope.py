@@ -7,18 +7,40 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.ops import Op, out_or_empty, triton_can_run, write_out
 
 
+def _rope_neox_shape_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> InputError | None:
+    """Why no provider can rotate x by these shapes, or None: x [..., N, heads, D]; positions [N], or [1] (one
+    position for every token); inv_freq [rotary_dim / 2] with rotary_dim <= D."""
+    if x.dim() < 3:
+        return InputError("x", f"{x.dtype} {list(x.shape)}", "a [N, heads, D] tensor",
+                          "view the token's heads as [N, heads, D] (x.view(N, heads, D))")
+    n, d = x.shape[-3], x.shape[-1]
+    if positions.dim() != 1 or positions.shape[0] not in (n, 1):
+        return InputError("positions", f"{positions.dtype} {list(positions.shape)}",
+                          f"a [N] = [{n}] tensor, one position a token of x {list(x.shape)} (or [1], one for all)",
+                          "pass the positions of x's tokens, one each")
+    if inv_freq.dim() != 1 or 2 * inv_freq.numel() > d:
+        return InputError("inv_freq", f"{inv_freq.dtype} {list(inv_freq.shape)}",
+                          f"a [rotary_dim / 2] tensor, rotary_dim <= D = {d} (the head size of x {list(x.shape)})",
+                          "make it with rope_inv_freq(rotary_dim, theta) for a rotary_dim of at most the head size")
+    return None
+
+
 def _rope_neox_native(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [N, heads, D]; positions: [N] int; inv_freq: [rotary_dim / 2] fp32. Returns x rotated, x's dtype
-    (written into `out` when given).
+    """x: [N, heads, D]; positions: [N] (or [1]); inv_freq: [rotary_dim / 2], rotary_dim <= D. Returns x
+    rotated, x's dtype (written into `out` when given). Shapes as `_rope_neox_shape_refusal` says, which is
+    asked for x of up to 3 dims; x of more ([..., N, heads, D]) broadcasts against positions as torch does.
 
     Pairs (i, i + rotary_dim/2) rotate by angle position * inv_freq[i]; cos and sin are rounded to x's
     dtype before use, as the Hugging Face models do.
     """
+    if x.dim() <= 3 and (err := _rope_neox_shape_refusal(x, positions, inv_freq)):
+        raise err
     rd = 2 * inv_freq.numel()
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(x.device, torch.float32)[None, :]  # [N, rd/2]
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -78,27 +100,79 @@ def _rope_neox_kernel(x_ptr, pos_ptr, inv_freq_ptr, y_ptr, heads, D, half, strid
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_BLOCK = tl.TRITON_MAX_TENSOR_NUMEL    # the most elements of one tl.arange
+_MAX_TOKENS = 2**31 - 1                    # grid axis 0 (tokens)
+_MAX_HEAD_PROGRAMS = 65535                 # grid axis 1 (blocks of heads)
+
+
+def _rope_blocks(heads: int, d: int, half: int) -> tuple[int, int, int]:
+    """(BLOCK_HEADS, BLOCK_HALF, BLOCK_REST) of a launch: the rotated half and the pass-through tail each in one
+    block, as many heads a program as keep its tiles near 4096 elements."""
+    block_half = triton.next_power_of_2(max(half, 1))
+    block_rest = triton.next_power_of_2(max(d - 2 * half, 1))
+    return min(triton.next_power_of_2(heads), max(1, 4096 // max(block_half, block_rest))), block_half, block_rest
+
+
+def rope_neox_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> InputError | None:
+    """Why `rope_neox_triton` cannot take these operands, as the error it raises (its predicate says no to the
+    same calls), or None: x a bf16, fp16 or fp32 [N, heads, D] with unit stride along D (the kernel reads a
+    head's dims in a row; tokens and heads at any stride), D <= 2^20 (one head in a program), N < 2^31 and
+    at most 65535 programs of heads (the grid); positions int32 or int64 [N] (not [1]: the kernel reads one a
+    token) and inv_freq bf16, fp16 or fp32 [rotary_dim / 2], rotary_dim <= D, both on x's device (any
+    strides)."""
+    if x.dim() != 3 or x.dtype not in _FLOATS:
+        return InputError("x", f"{x.dtype} {list(x.shape)}", "a bf16, fp16 or fp32 [N, heads, D] tensor",
+                          "call the op (`rope_neox`) under runtime.backend=auto: it runs the reference for others")
+    n, heads, d = x.shape
+    if d > 1 and x.stride(2) != 1:
+        return InputError("x", f"strides {x.stride()} of {list(x.shape)}",
+                          "unit stride along D (the kernel reads a head's dims in a row)", "pass x.contiguous()")
+    if err := _rope_neox_shape_refusal(x, positions, inv_freq):
+        return err
+    if positions.shape[0] != n or positions.dtype not in (torch.int32, torch.int64):
+        return InputError("positions", f"{positions.dtype} {list(positions.shape)}",
+                          f"an int32 or int64 [N] = [{n}] tensor (the kernel reads one position a token)",
+                          f"pass positions.long(), expanded to [{n}] (positions.expand({n}))")
+    if inv_freq.dtype not in _FLOATS:
+        return InputError("inv_freq", f"{inv_freq.dtype} {list(inv_freq.shape)}", "a bf16, fp16 or fp32 tensor",
+                          "pass inv_freq.float() (rope_inv_freq makes fp32)")
+    for name, t in (("positions", positions), ("inv_freq", inv_freq)):
+        if t.device != x.device:
+            return InputError(name, f"on {t.device}", f"on x's device, {x.device} (the kernel reads it there)",
+                              f"pass {name}.to(x.device)")
+    block_heads = _rope_blocks(heads, d, inv_freq.numel())[0]
+    if d > _MAX_BLOCK or n > _MAX_TOKENS or triton.cdiv(heads, block_heads) > _MAX_HEAD_PROGRAMS:
+        return InputError("x", f"[N, heads, D] = {list(x.shape)}",
+                          f"D <= {_MAX_BLOCK} (one head in a program), N <= {_MAX_TOKENS} and heads in at most "
+                          f"{_MAX_HEAD_PROGRAMS} programs of {block_heads} (the grid)",
+                          "call the op (`rope_neox`) under runtime.backend=auto: it runs the reference for others")
+    return None
 
 
 def _rope_neox_supports(x, positions, inv_freq, out=None) -> bool:
     tensors = [t for t in (x, positions, inv_freq, out) if t is not None]
-    return (triton_can_run(*tensors) and x.dim() == 3 and x.dtype in _FLOATS and x.stride(-1) == 1
-            and positions.shape == (x.shape[0],) and positions.dtype in (torch.int32, torch.int64)
-            and inv_freq.dim() == 1 and inv_freq.dtype in _FLOATS and 2 * inv_freq.numel() <= x.shape[2])
+    return triton_can_run(*tensors) and rope_neox_refusal(x, positions, inv_freq) is None
 
 
 def rope_neox_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's contract; x may be a strided view (a slice of a fused QKV) with its last dim
-    contiguous. `out` (optional, any strides) has x's shape and dtype."""
+    contiguous. `out` (optional, any strides) has x's shape and dtype. Operands as `rope_neox_refusal` says."""
+    if err := rope_neox_refusal(x, positions, inv_freq):
+        raise err
+    return rope_neox_launch(x, positions, inv_freq, out)
+
+
+def rope_neox_launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """`rope_neox_triton` on operands `rope_neox_refusal` passed (the op's predicate checked them: one check a
+    call)."""
     N, heads, D = x.shape
     y = out_or_empty(out, x.shape, x.dtype, x.device)
     if N == 0 or heads == 0 or D == 0:
         return y
     half = inv_freq.numel()
-    block_half = triton.next_power_of_2(max(half, 1))
-    block_rest = triton.next_power_of_2(max(D - 2 * half, 1))
-    block_heads = min(triton.next_power_of_2(heads), max(1, 4096 // max(block_half, block_rest)))
+    block_heads, block_half, block_rest = _rope_blocks(heads, D, half)
     _rope_neox_kernel[(N, triton.cdiv(heads, block_heads))](
         x, positions.contiguous(), inv_freq.contiguous(), y, heads, D, half, x.stride(0), x.stride(1), *y.stride(),
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, BLOCK_REST=block_rest, LIBDEVICE_TRIG=x.is_cuda,
@@ -106,4 +180,8 @@ def rope_neox_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
     return y
 
 
-rope_neox.register_provider("triton", rope_neox_triton, _rope_neox_supports)
+def _rope_neox_call_refusal(x, positions, inv_freq, out=None):
+    return rope_neox_refusal(x, positions, inv_freq)
+
+
+rope_neox.register_provider("triton", rope_neox_launch, _rope_neox_supports, _rope_neox_call_refusal)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import InputError
-from mtpfactory.kernels.argmax import argmax, argmax_triton
+from mtpfactory.errors import ConfigError, InputError
+from mtpfactory.kernels.argmax import _argmax_supports, _chunk_for, argmax, argmax_refusal, argmax_triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -93,6 +93,102 @@ def test_strided_out_which_every_provider_takes(backend, V):
         for bad in (torch.empty(5, dtype=torch.int32), torch.empty(4, dtype=torch.int64)):
             with pytest.raises(InputError, match="out="):
                 argmax(x, out=bad)
+
+
+def _logits():
+    """[3, 100] fp32: logits the kernel takes."""
+    return torch.randn(3, 100, generator=torch.Generator().manual_seed(10))
+
+
+# case: logits from `_logits()`, what the refusal (field logits) says they must be
+BAD = {
+    "1-D": (lambda x: x[0], r"a 2-D bf16, fp16 or fp32 \[B, V\]"),
+    "3-D": (lambda x: x[None], r"a 2-D bf16, fp16 or fp32 \[B, V\]"),
+    "fp64": (lambda x: x.double(), "bf16, fp16 or fp32"),
+    "int64": (lambda x: (100 * x).long(), "bf16, fp16 or fp32"),
+    "V = 0": (lambda x: x[:, :0], "at least one logit a row"),
+    "B = 0, V = 0": (lambda x: x[:0, :0], "at least one logit a row"),
+    "strided along V": (lambda x: torch.cat([x, x], 1)[:, ::2], "unit stride along V"),
+    "V past int32 indices": (lambda x: x[:1, :1].expand(1, 2**30 + 1), "V <= 1073741824"),
+    "B past the grid": (lambda x: x[:1].expand(2**31, 100), "B <= 2147483647"),
+}
+
+
+def _poisoned(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, what to check is still -1): int64 [B], one -1 seen through stride 0 where B is huge."""
+    if b <= 2**16:
+        out = torch.full((b,), -1, dtype=torch.int64)
+        return out, out
+    one = torch.full((1,), -1, dtype=torch.int64)
+    return one.expand(b), one
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_logits_the_kernel_cannot_take_are_refused_by_the_predicate_the_provider_and_the_backend(case):
+    """One rule (`argmax_refusal`): the predicate says no, `argmax_triton` called directly raises it naming logits
+    and writes nothing, and an explicit `runtime.backend=triton` says it refuses logits."""
+    make, allowed = BAD[case]
+    x = make(_logits())
+    out, poison = _poisoned(x.shape[0] if x.dim() > 1 else 1)
+    assert argmax_refusal(x).field == "logits"
+    with ops.use_backend("triton"):
+        assert not _argmax_supports(x, out)
+        with pytest.raises(InputError, match=rf"^logits=.*{allowed}"):
+            argmax_triton(x, out=out)
+        with pytest.raises(ConfigError, match="op argmax has no triton provider .*it refuses logits="):
+            argmax(x, out=out)
+    assert (poison == -1).all()
+
+
+@pytest.mark.parametrize("chunk, V, allowed", [(0, 100, "a power of two"), (48, 100, "a power of two"),
+                                                (2**22, 2**21 + 1, "at most 1048576 once capped at V"),
+                                                (1, 70000, "at most 65535 chunks of V = 70000")])
+def test_chunks_the_kernel_cannot_take_are_refused_by_the_provider(chunk, V, allowed):
+    """`chunk` (the provider's tuning argument, which the op does not take) builds one tl.arange and cuts V across
+    the grid's second dimension: one it cannot is refused naming it, and nothing is written."""
+    x, out = torch.zeros(2, V), torch.full((2,), -1, dtype=torch.int64)
+    assert argmax_refusal(x, chunk).field == "chunk"
+    with pytest.raises(InputError, match=rf"^chunk={chunk}: .*{allowed}"):
+        argmax_triton(x, out=out, chunk=chunk)
+    assert (out == -1).all()
+
+
+def test_the_ops_chunk_cuts_every_v_it_takes_within_the_grid():
+    """Through the op (chunk None) V up to 2^30 runs: 2048 a chunk, more past 65535 * 2048, capped at V."""
+    assert _chunk_for(151_936, None) == 2048 and _chunk_for(100, None) == 128
+    for v in (65535 * 2048, 65535 * 2048 + 1, 2**30):
+        chunk = _chunk_for(v, None)
+        assert chunk & (chunk - 1) == 0 and -(-v // chunk) <= 65535 and chunk <= 2**20
+
+
+@pytest.mark.parametrize("case", ["V = 0", "B = 0, V = 0"])
+@pytest.mark.parametrize("backend", ["native", "auto"])
+def test_empty_rows_are_refused_by_the_reference(case, backend):
+    """A row of no logits, which torch.argmax met with a raw IndexError, is refused naming logits, before anything
+    is written; so are rows of one or three dims with none."""
+    x = BAD[case][0](_logits())
+    out = torch.full((x.shape[0],), -1, dtype=torch.int64)
+    with ops.use_backend(backend), pytest.raises(InputError, match="^logits=.*at least one logit a row"):
+        argmax(x, out=out)
+    assert (out == -1).all()
+    for empty in (torch.zeros(0), torch.zeros(2, 3, 0)):
+        with ops.use_backend(backend), pytest.raises(InputError, match="^logits="):
+            argmax(empty)
+
+
+def test_the_reference_takes_what_only_the_kernel_refuses():
+    """Logits of none, one or three dims, fp64, int64, strided along V: the reference takes their argmax (under
+    `auto` the op falls back to it)."""
+    x = _logits()
+    want = torch.argmax(x, dim=-1)
+    ref = argmax.reference
+    assert ref(torch.tensor(1.0)) == 0 and ref(x[1]) == want[1]
+    assert torch.equal(ref(x[None]), want[None]) and torch.equal(ref(x.double()), want)
+    assert torch.equal(ref((1000 * x).long()), torch.argmax((1000 * x).long(), dim=-1))
+    wide = torch.cat([x, x], 1)
+    assert torch.equal(ref(wide[:, ::2]), torch.argmax(wide[:, ::2], dim=-1))
+    with ops.use_backend("auto"):
+        assert torch.equal(argmax(x.double()), want)
 
 
 @pytest.mark.gpu

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import InputError
-from mtpfactory.kernels.embedding import embedding
+from mtpfactory.errors import ConfigError, InputError
+from mtpfactory.kernels.embedding import _embedding_supports, embedding, embedding_refusal, embedding_triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -86,6 +86,87 @@ def test_id_out_of_range_refused_by_the_reference_and_a_zero_row_from_the_kernel
         embedding.reference(ids, table)
     got = run(ids, table)
     assert bits_equal(got[[0, 2]], table[[4, 0]]) and torch.equal(got[1], torch.zeros(6, device=device))
+
+
+def _ops():
+    """ids [3] int64, table [5, 6] fp32: operands the kernel takes."""
+    return torch.tensor([3, 0, 4]), torch.randn(5, 6, generator=torch.Generator().manual_seed(9))
+
+
+# case: (ids, table) from `_ops()`, the field refused, what its message says it allows. The row past the grid is
+# 65535 blocks of 512 fp64 and one more: 268 MB that torch.empty reserves and nothing touches.
+BAD = {
+    "ids 2-D": (lambda i, t: (i[None], t), "ids", r"an int32 or int64 \[N\] tensor"),
+    "ids 0-D": (lambda i, t: (i[0], t), "ids", r"a 1-D \[N\] tensor"),
+    "ids float": (lambda i, t: (i.float(), t), "ids", "int32 or int64"),
+    "ids int16": (lambda i, t: (i.short(), t), "ids", "int32 or int64"),
+    "ids elsewhere": (lambda i, t: (i.to("meta"), t), "ids", "on table's device, cpu"),
+    "ids past the grid": (lambda i, t: (i[:1].expand(2**31), t), "ids", "at most 2147483647"),
+    "table 0-D": (lambda i, t: (i, t[0, 0]), "table", r"a \[V, H\] tensor"),
+    "table 1-D": (lambda i, t: (i, t[:, 0]), "table", r"a 2-D \[V, H\] tensor"),
+    "table 3-D": (lambda i, t: (i, t.view(5, 2, 3)), "table", r"a 2-D \[V, H\] tensor"),
+    "table complex128": (lambda i, t: (i, t.to(torch.complex128)), "table", "1, 2, 4 or 8-byte elements"),
+    "table strided along H": (lambda i, t: (i, torch.cat([t, t], 1)[:, ::2]), "table", "unit stride along H"),
+    "table row past the grid": (lambda i, t: (i[:1], torch.empty(1, 65535 * 512 + 1, dtype=torch.float64)),
+                                "table", "at most 65535 programs of 512"),
+}
+
+
+def _poisoned_for(ids: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, what to check is still NaN): [N, H] in table's dtype (fp32 where that has no NaN), one NaN seen
+    through stride 0 where that is huge."""
+    shape = (ids.numel(), table.shape[-1] if table.dim() else 1)
+    dtype = table.dtype if table.dtype.is_floating_point or table.dtype.is_complex else torch.float32
+    if shape[0] * shape[1] <= 2**16:
+        out = torch.full(shape, float("nan"), dtype=dtype)
+        return out, out
+    one = torch.full((1, 1), float("nan"), dtype=dtype)
+    return one.expand(shape), one
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_operands_the_kernel_cannot_take_are_refused_by_the_predicate_the_provider_and_the_backend(case):
+    """One rule (`embedding_refusal`): the predicate says no, `embedding_triton` called directly raises it naming
+    the operand and writes nothing, and an explicit `runtime.backend=triton` says which operand it refuses."""
+    make, field, allowed = BAD[case]
+    ids, table = make(*_ops())
+    out, poison = _poisoned_for(ids, table)
+    assert embedding_refusal(ids, table).field == field
+    with ops.use_backend("triton"):
+        assert not _embedding_supports(ids, table, out)
+        with pytest.raises(InputError, match=rf"^{field}=.*{allowed}"):
+            embedding_triton(ids, table, out=out)
+        with pytest.raises(ConfigError, match=rf"op embedding has no triton provider .*it refuses {field}="):
+            embedding(ids, table, out=out)
+    assert poison.isnan().all()
+
+
+@pytest.mark.parametrize("case", ["ids 2-D", "ids float", "ids int16", "table 0-D"])
+@pytest.mark.parametrize("backend", ["native", "auto"])
+def test_ids_and_tables_no_provider_can_gather_are_refused_by_the_reference(case, backend):
+    """Ids of two dims or not int32 / int64 and a 0-D table, which index_select (or the id check before it) met
+    with a raw torch error, are refused naming the operand, before anything is written."""
+    make, field, _ = BAD[case]
+    ids, table = make(*_ops())
+    out = torch.full((ids.numel(), 6), float("nan"))
+    with ops.use_backend(backend), pytest.raises(InputError, match=rf"^{field}="):
+        embedding(ids, table, out=out)
+    assert out.isnan().all()
+
+
+def test_the_reference_takes_what_only_the_kernel_refuses():
+    """One 0-D id (a [1, H] row, as index_select gives), tables of one or three dims, of 16-byte elements, strided
+    along H: the reference gathers them (under `auto` the op falls back to it)."""
+    ids, table = _ops()
+    ref = embedding.reference
+    assert torch.equal(ref(ids[0], table), table[3:4])
+    assert torch.equal(ref(ids, table[:, 0]), table[ids, 0])
+    assert torch.equal(ref(ids, table.view(5, 2, 3)), table[ids].view(3, 2, 3))
+    assert torch.equal(ref(ids, table.to(torch.complex128)), table[ids].to(torch.complex128))
+    wide = torch.cat([table, table], 1)
+    assert torch.equal(ref(ids, wide[:, ::2]), wide[ids, ::2])
+    with ops.use_backend("auto"):
+        assert torch.equal(embedding(ids[0], table), table[3:4])
 
 
 @pytest.mark.gpu

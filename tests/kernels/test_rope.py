@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import InputError
-from mtpfactory.kernels.rope import rope_inv_freq, rope_neox
+from mtpfactory.errors import ConfigError, InputError
+from mtpfactory.kernels.rope import _rope_neox_supports, rope_inv_freq, rope_neox, rope_neox_refusal, rope_neox_triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (N, heads, D, rotary_dim): full rotation of a tiny head, partial with odd D, a pass-through tail of one.
@@ -92,6 +92,98 @@ def test_strided_positions_and_out_which_every_provider_takes(backend):
         for bad in (torch.empty(3, 2, 12, dtype=torch.bfloat16), torch.empty(3, 3, 12)):
             with pytest.raises(InputError, match="out="):
                 rope_neox(x, positions, inv_freq, out=bad)
+
+
+def _ops():
+    """x [3, 2, 12] fp32, positions [3] int64, inv_freq for rotary_dim 8: operands the kernel takes."""
+    return torch.randn(3, 2, 12, generator=torch.Generator().manual_seed(8)), torch.arange(3), rope_inv_freq(8, 1e4)
+
+
+def _huge(shape, d_inv):
+    """x of `shape` (zeros, stride 0 but along D), positions [N], inv_freq of `d_inv` entries: past a grid limit
+    without the memory."""
+    return (torch.zeros(1, 1, shape[2]).expand(*shape), torch.zeros(1, dtype=torch.int64).expand(shape[0]),
+            rope_inv_freq(2 * d_inv, 1e4))
+
+
+# case: (x, positions, inv_freq) from `_ops()`, the field refused, what its message says it allows
+BAD = {
+    "x 2-D": (lambda x, p, f: (x[:, 0], p, f), "x", r"a bf16, fp16 or fp32 \[N, heads, D\]"),
+    "x 4-D": (lambda x, p, f: (x[None], p, f), "x", r"\[N, heads, D\]"),
+    "x fp64": (lambda x, p, f: (x.double(), p, f), "x", "bf16, fp16 or fp32"),
+    "x strided along D": (lambda x, p, f: (torch.cat([x, x], -1)[..., ::2], p, f), "x", "unit stride along D"),
+    "x D past a block": (lambda x, p, f: (torch.zeros(1, 1, 2**20 + 2), p[:1], f), "x", "D <= 1048576"),
+    "x N past the grid": (lambda x, p, f: _huge((2**31, 1, 2), 1), "x", "N <= 2147483647"),
+    "x heads past the grid": (lambda x, p, f: _huge((1, 65536, 8192), 4096), "x", "at most 65535 programs of 1"),
+    "positions [N + 1]": (lambda x, p, f: (x, torch.arange(4), f), "positions", r"\[N\] = \[3\] tensor, one"),
+    "positions [1]": (lambda x, p, f: (x, p[:1], f), "positions", r"int32 or int64 \[N\] = \[3\]"),
+    "positions 0-D": (lambda x, p, f: (x, p[0], f), "positions", r"\[N\] = \[3\]"),
+    "positions 2-D": (lambda x, p, f: (x, p[:, None], f), "positions", r"\[N\] = \[3\]"),
+    "positions float": (lambda x, p, f: (x, p.float(), f), "positions", "int32 or int64"),
+    "positions int16": (lambda x, p, f: (x, p.short(), f), "positions", "int32 or int64"),
+    "positions elsewhere": (lambda x, p, f: (x, p.to("meta"), f), "positions", "on x's device, cpu"),
+    "inv_freq 2-D": (lambda x, p, f: (x, p, f[None]), "inv_freq", r"rotary_dim <= D = 12"),
+    "inv_freq rotary_dim > D": (lambda x, p, f: (x, p, rope_inv_freq(14, 1e4)), "inv_freq", "rotary_dim <= D = 12"),
+    "inv_freq fp64": (lambda x, p, f: (x, p, f.double()), "inv_freq", "bf16, fp16 or fp32"),
+    "inv_freq elsewhere": (lambda x, p, f: (x, p, f.to("meta")), "inv_freq", "on x's device, cpu"),
+}
+
+
+def _poisoned_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, what to check is still NaN): x's shape and dtype, one NaN seen through stride 0 where x is huge."""
+    if x.numel() <= 2**16:
+        out = torch.full(x.shape, float("nan"), dtype=x.dtype)
+        return out, out
+    one = torch.full((1,) * x.dim(), float("nan"), dtype=x.dtype)
+    return one.expand(x.shape), one
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_operands_the_kernel_cannot_take_are_refused_by_the_predicate_the_provider_and_the_backend(case):
+    """One rule (`rope_neox_refusal`): the predicate says no, `rope_neox_triton` called directly raises it naming
+    the operand and writes nothing, and an explicit `runtime.backend=triton` says which operand it refuses."""
+    make, field, allowed = BAD[case]
+    x, positions, inv_freq = make(*_ops())
+    out, poison = _poisoned_like(x)
+    assert rope_neox_refusal(x, positions, inv_freq).field == field
+    with ops.use_backend("triton"):
+        assert not _rope_neox_supports(x, positions, inv_freq, out)
+        with pytest.raises(InputError, match=rf"^{field}=.*{allowed}"):
+            rope_neox_triton(x, positions, inv_freq, out=out)
+        with pytest.raises(ConfigError, match=rf"op rope_neox has no triton provider .*it refuses {field}="):
+            rope_neox(x, positions, inv_freq, out=out)
+    assert poison.isnan().all()
+
+
+@pytest.mark.parametrize("case", ["x 2-D", "positions [N + 1]", "positions 0-D", "positions 2-D", "inv_freq 2-D",
+                                  "inv_freq rotary_dim > D"])
+@pytest.mark.parametrize("backend", ["native", "auto"])
+def test_shapes_no_provider_can_rotate_are_refused_by_the_reference(case, backend):
+    """The shapes that do not agree, which the reference met with a raw torch error (IndexError, RuntimeError),
+    are refused naming the operand, before anything is written."""
+    make, field, _ = BAD[case]
+    x, positions, inv_freq = make(*_ops())
+    out = torch.full(x.shape, float("nan"))
+    with ops.use_backend(backend), pytest.raises(InputError, match=rf"^{field}="):
+        rope_neox(x, positions, inv_freq, out=out)
+    assert out.isnan().all()
+
+
+def test_the_reference_takes_what_only_the_kernel_refuses():
+    """One position for all tokens, float positions, fp64 x and inv_freq, x strided along D, leading dims: the
+    reference rotates them as it rotates their plain form (under `auto` the op falls back to it)."""
+    x, positions, inv_freq = _ops()
+    ref = rope_neox.reference
+    want = ref(x, positions, inv_freq)
+    assert torch.equal(ref(x, positions[:1], inv_freq), ref(x, positions[:1].expand(3), inv_freq))
+    assert torch.equal(ref(x, positions.float(), inv_freq), want)
+    torch.testing.assert_close(ref(x.double(), positions, inv_freq.double()), want.double(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(ref(torch.cat([x, x], -1)[..., ::2], positions, inv_freq),
+                       ref(torch.cat([x, x], -1)[..., ::2].contiguous(), positions, inv_freq))
+    assert torch.equal(ref(torch.stack([x, 2 * x]), positions, inv_freq), torch.stack([want, ref(2 * x, positions,
+                                                                                                  inv_freq)]))
+    with ops.use_backend("auto"):
+        assert torch.equal(rope_neox(x, positions[:1], inv_freq), ref(x, positions[:1], inv_freq))
 
 
 @pytest.mark.gpu
