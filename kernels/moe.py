@@ -28,6 +28,10 @@ Triton providers (DESIGN 4):
   the GPU, integer math under the interpreter), weight = value * (scale * global) in fp32 rounded to
   x's dtype. `tl.dot_scaled` is not used: its e2m1 path does not compile for Hopper under Triton 3.6.
 
+What each provider takes is one rule, its predicate and the error its `*_triton` entry point raises when called
+directly (`moe_route_softmax_refusal`, `fused_moe_refusal`, `fused_moe_nvfp4_refusal`): each names the argument at
+fault. The references refuse by the same names the shapes they cannot compute with, and serve the rest.
+
 Under Triton's interpreter (CPU tests) bf16 arithmetic is not available: loads are widened to fp32 right
 after they happen, the dots run in fp32 on values already rounded to x's dtype, and rounding to bf16 is
 done in integer math (the interpreter's own fp32 -> bf16 cast truncates); on the GPU the same kernels use
@@ -63,10 +67,10 @@ def _moe_route_softmax_native(router_logits: torch.Tensor, top_k: int, renormali
 
     Softmax over all experts in fp32; the top_k experts by fp32 logit (the same order as by probability),
     ties to the lower id (a stable sort: `torch.topk` does not promise which of two equal values comes
-    first); their probabilities, divided by their sum when `renormalize`."""
-    if not 1 <= top_k <= router_logits.shape[-1]:
-        raise InputError("top_k", top_k, f"from 1 to the {router_logits.shape[-1]} experts the logits score",
-                         "route to at most as many experts as there are")
+    first); their probabilities, divided by their sum when `renormalize`. Logits of another rank, or a
+    top_k outside [1, E], are refused (`_route_shape_refusal`)."""
+    if err := _route_shape_refusal(router_logits, top_k):
+        raise err
     _check_route_out(out, router_logits.shape[0], top_k, router_logits.device)
     logits = router_logits.float()                                       # [N, E]
     probs = torch.softmax(logits, dim=-1)
@@ -113,10 +117,14 @@ def _fused_moe_native(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
     topk_weights (fp32), topk_ids: [N, k], ids in [0, E) (others refused); shared_out [N, H] and shared_gate
     [N, 1] (logits) in x's dtype, optional together. `out` [N, H] (rows contiguous, their stride free)
     receives the result when given; `workspace` [N * k, I] contiguous is scratch for the fast providers
-    (checked, unused here). Both in x's dtype.
+    (checked, unused here). Both in x's dtype. Shapes it cannot compute with are refused by name
+    (`_moe_shape_refusal`, `_experts_shape_refusal`) before anything runs.
 
     Returns sum_j w_j * down_j(silu(gate_j x) * up_j x) + sigmoid(shared_gate) * shared_out, [N, H] in
     x's dtype, reading only the selected experts (rounding order: see `_moe_native`)."""
+    if err := (_moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate)
+               or _experts_shape_refusal(x, w_gate_up, w_down)):
+        raise err
     _check_moe_args(x, topk_ids.shape[1], w_down.shape[-1], shared_out, shared_gate, out, workspace)
     return _moe_native(x, w_gate_up.shape[0], lambda e: (w_gate_up[e], w_down[e]), topk_weights, topk_ids,
                        shared_out, shared_gate, out)
@@ -131,8 +139,12 @@ def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: 
     gu_weight uint8 [E, 2I, H/2], gu_scale float8_e4m3fn [E, 2I, H/16], gu_global fp32 [E, 2] (gate, up);
     dn_weight uint8 [E, H, I/2], dn_scale [E, H, I/16], dn_global fp32 [E].
 
-    Each selected expert is dequantized to x's dtype with `dequantize_nvfp4` and run through the
-    `fused_moe` reference maths."""
+    Each selected expert is dequantized to x's dtype with `dequantize_nvfp4` (which refuses a malformed
+    expert's tensors by name) and run through the `fused_moe` reference maths; shapes that do not agree
+    between the stacks and x are refused first (`_nvfp4_shape_refusal`)."""
+    if err := (_moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate)
+               or _nvfp4_shape_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global)):
+        raise err
     inter = gu_weight.shape[1] // 2
     _check_moe_args(x, topk_ids.shape[1], inter, shared_out, shared_gate, out, workspace)
 
@@ -168,6 +180,101 @@ def _check_moe_args(x, top_k, inter, shared_out, shared_gate, out, workspace) ->
         check_out(out, x.shape, x.dtype, x.device, layout="rows")   # the kernels step between rows by the stride
     if workspace is not None:
         check_out(workspace, (x.shape[0] * top_k, inter), x.dtype, x.device, "workspace", "contiguous")
+
+
+# The shape rules. The references check what they index and broadcast (`_route_shape_refusal`,
+# `_moe_shape_refusal`, `_experts_shape_refusal`, `_nvfp4_shape_refusal`) before anything runs, so a call
+# that does not fit is refused by name rather than failing inside torch; each Triton provider's rule
+# (`*_refusal` below the launchers) is those and what its kernels need on top.
+
+def _desc(t: torch.Tensor, strides: bool = False) -> str:
+    text = f"{_dtype(t.dtype)} {list(t.shape)}"
+    return f"{text}, strides {t.stride()}" if strides else text
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    if shape == target:
+        return True
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
+def _route_shape_refusal(router_logits: torch.Tensor, top_k: int) -> InputError | None:
+    """Why the routing cannot take these logits and top_k, or None: logits [N, E], 1 <= top_k <= E."""
+    if router_logits.dim() != 2:
+        return InputError("router_logits", _desc(router_logits), "a 2-D [N, E] tensor: a row of expert logits a "
+                          "token", "flatten the leading dimensions into N")
+    if not 1 <= top_k <= router_logits.shape[1]:
+        return InputError("top_k", top_k, f"from 1 to the {router_logits.shape[1]} experts the logits score",
+                          "route to at most as many experts as there are")
+    return None
+
+
+def _moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate) -> InputError | None:
+    """Why the MoE references cannot index the activations and routing, or None: x [N, H]; integer topk_ids
+    [N', k] with N' <= N (a row past x's has no token); topk_weights holding [N', k]; shared_out and
+    shared_gate broadcasting to [N, H]. The kernels take only the exact shapes (`_moe_kernel_refusal`)."""
+    if x.dim() != 2:
+        return InputError("x", _desc(x), "a 2-D [N, H] tensor: a row of activations a token",
+                          "flatten the leading dimensions into N")
+    n, h = x.shape
+    integer = not (topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] > n or not integer:
+        return InputError("topk_ids", _desc(topk_ids), f"integer expert ids [N, k], N = {n} (x's rows)",
+                          "pass the ids moe_route_softmax chose for x's rows")
+    if topk_weights.dim() != 2 or any(w < i for w, i in zip(topk_weights.shape, topk_ids.shape)):
+        return InputError("topk_weights", _desc(topk_weights), f"[N, k] = {list(topk_ids.shape)}: a routing "
+                          "weight for each of topk_ids", "pass the weights moe_route_softmax returned with these ids")
+    for name, t, shape in (("shared_out", shared_out, f"[N, H] = [{n}, {h}]"),
+                           ("shared_gate", shared_gate, f"[N, 1] = [{n}, 1], a gate logit a row")):
+        if t is not None and not _broadcasts_to(t.shape, x.shape):
+            return InputError(name, _desc(t), f"{shape} (x is {_desc(x)})",
+                              f"pass the shared expert's {name.removeprefix('shared_')} for x's rows")
+    return None
+
+
+def _experts_shape_refusal(x, w_gate_up, w_down) -> InputError | None:
+    """Why the `fused_moe` reference cannot multiply x by these experts, or None: w_gate_up [E, 2I, H] with x's
+    H, and w_down [E' >= E, H, I], both in x's dtype (x 2-D: `_moe_shape_refusal`)."""
+    h, dt = x.shape[1], _dtype(x.dtype)
+    if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2 or w_gate_up.shape[2] != h or w_gate_up.dtype != x.dtype:
+        return InputError("w_gate_up", _desc(w_gate_up), f"the experts' gate and up rows, a {dt} [E, 2I, H = {h}] "
+                          f"tensor (x is {_desc(x)})", "pass the stacked experts' gate_up weights, gate rows "
+                          "first, in x's dtype")
+    e, i = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    if w_down.dim() != 3 or w_down.shape[0] < e or tuple(w_down.shape[1:]) != (h, i) or w_down.dtype != x.dtype:
+        return InputError("w_down", _desc(w_down), f"the experts' down rows, a {dt} [E, H, I] = [{e}, {h}, {i}] "
+                          "tensor (E and 2I from w_gate_up)", "pass the same experts' down weights, in x's dtype")
+    return None
+
+
+def _nvfp4_shape_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global) -> InputError | None:
+    """Why the `fused_moe_nvfp4` reference cannot index these experts or multiply x by them, or None: gu_weight
+    [E, 2I, H/2] with x's H; dn_weight [E' >= E, H, I/2]; gu_global [E' >= E, 2] (gate, up); gu_scale,
+    dn_scale and dn_global hold at least E experts along dim 0 (`dequantize_nvfp4` checks each expert's)."""
+    h = x.shape[1]
+    if gu_weight.dim() != 3 or gu_weight.shape[1] % 2 or 2 * gu_weight.shape[2] != h:
+        return InputError("gu_weight", _desc(gu_weight), f"NVFP4 gate and up rows, two codes a byte: [E, 2I, H/2] "
+                          f"for x's H = {h}", "pass the packed gate_up codes of experts of x's H")
+    e, i = gu_weight.shape[0], gu_weight.shape[1] // 2
+    if dn_weight.dim() != 3 or dn_weight.shape[0] < e or dn_weight.shape[1] != h or 2 * dn_weight.shape[2] != i:
+        return InputError("dn_weight", _desc(dn_weight), f"NVFP4 down rows, two codes a byte: [E, H, I/2] = "
+                          f"[{e}, {h}, {i / 2:g}] (E and 2I from gu_weight)",
+                          "pass the same experts' packed down codes")
+    if gu_global.dim() < 2 or gu_global.shape[0] < e or gu_global.shape[1] < 2:
+        return InputError("gu_global", _desc(gu_global), f"[E, 2] = [{e}, 2]: each expert's gate and up global "
+                          "scales", "pass the gate and up weight_scale_2 of each expert, stacked")
+    for name, t in (("gu_scale", gu_scale), ("dn_scale", dn_scale), ("dn_global", dn_global)):
+        if t.dim() == 0 or t.shape[0] < e:
+            return InputError(name, _desc(t), f"one entry for each of the E = {e} experts of gu_weight, along dim 0",
+                              f"pass the {name} of the same experts")
+    return None
 
 
 moe_route_softmax = Op("moe_route_softmax", _moe_route_softmax_native)
@@ -446,10 +553,21 @@ def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_som
                  HAS_SHARED, ACT, INTERP)
 
 
-# --- launchers and registration --------------------------------------------------------------------------
+# --- launchers, rules and registration -----------------------------------------------------------------
 
-def _moe_route_softmax_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
-                              out: tuple[torch.Tensor, torch.Tensor] | None = None):
+def moe_route_softmax_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
+                             out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """The reference's contract for the calls `moe_route_softmax_refusal` passes; the others are refused by name
+    before anything is written."""
+    if err := moe_route_softmax_refusal(router_logits, top_k):
+        raise err
+    return _route_launch(router_logits, top_k, renormalize, out=out)
+
+
+def _route_launch(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """`moe_route_softmax_triton` on a call `moe_route_softmax_refusal` passed (the op's predicate checked it:
+    one check a call)."""
     n, e = router_logits.shape
     _check_route_out(out, n, top_k, router_logits.device)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
@@ -463,9 +581,25 @@ def _moe_route_softmax_triton(router_logits: torch.Tensor, top_k: int, renormali
     return weights, ids
 
 
+def moe_route_softmax_refusal(router_logits: torch.Tensor, top_k: int) -> InputError | None:
+    """Why `moe_route_softmax_triton` cannot take a call, as the error it raises (the op's predicate says no to
+    the same calls), or None: the reference's shapes (`_route_shape_refusal`), logits in bf16, fp16 or fp32
+    (any strides) and at most MAX_ROUTED_EXPERTS experts (one program holds a row)."""
+    if err := _route_shape_refusal(router_logits, top_k):
+        return err
+    if router_logits.dtype not in ACT_DTYPES or router_logits.shape[1] > MAX_ROUTED_EXPERTS:
+        return InputError("router_logits", _desc(router_logits), f"bf16, fp16 or fp32 [N, E] logits, E up to "
+                          f"{MAX_ROUTED_EXPERTS} (a row in one program)", "call the op (`moe_route_softmax`) under "
+                          "runtime.backend=auto: it runs the reference for the others")
+    return None
+
+
 def _route_supports(router_logits, top_k, renormalize, **_) -> bool:
-    return (triton_can_run(router_logits) and router_logits.dim() == 2 and router_logits.dtype in ACT_DTYPES
-            and 1 <= top_k <= router_logits.shape[1] <= MAX_ROUTED_EXPERTS)
+    return triton_can_run(router_logits) and moe_route_softmax_refusal(router_logits, top_k) is None
+
+
+def _route_call_refusal(router_logits, top_k, renormalize, **_) -> InputError | None:
+    return moe_route_softmax_refusal(router_logits, top_k)
 
 
 @functools.cache
@@ -484,8 +618,9 @@ def _tiles(hidden: int, inter: int, nvfp4: bool) -> dict:
 
 
 def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_gate, out, workspace, nvfp4):
-    """Both MoE providers. tensors = (gate_up weight, its scale, its global, down weight, its scale, its
-    global); the scale and global entries are ignored (pass anything) for unquantized weights."""
+    """Both MoE providers, on a call their rule passed. tensors = (gate_up weight, its scale, its global, down
+    weight, its scale, its global); the scale and global entries are ignored (pass anything) for unquantized
+    weights. Checks `out` and `workspace` (as the references do) before it writes anything."""
     w_gu, s_gu, g_gu, w_dn, s_dn, g_dn = tensors
     n, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -531,71 +666,159 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     return out
 
 
-def _fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None, *,
-                      out=None, workspace=None):
+def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None, *,
+                     out=None, workspace=None) -> torch.Tensor:
+    """The `fused_moe` reference's contract for the calls `fused_moe_refusal` passes; the others are refused by
+    name before anything is written."""
+    if err := fused_moe_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate):
+        raise err
+    return _fused_moe_launch(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate, out=out,
+                             workspace=workspace)
+
+
+def _fused_moe_launch(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None, *,
+                      out=None, workspace=None) -> torch.Tensor:
+    """`fused_moe_triton` on a call `fused_moe_refusal` passed (the op's predicate checked it: one check a call)."""
     return _launch_moe(x, (w_gate_up, w_gate_up, w_gate_up, w_down, w_down, w_down), w_down.shape[2],
                        topk_weights, topk_ids, shared_out, shared_gate, out, workspace, nvfp4=False)
 
 
-def _fused_moe_nvfp4_triton(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
-                            topk_ids, shared_out=None, shared_gate=None, *, out=None, workspace=None):
-    """As `_fused_moe_triton`; the e4m3 scales are passed as their uint8 bits."""
+def fused_moe_nvfp4_triton(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+                           topk_ids, shared_out=None, shared_gate=None, *, out=None, workspace=None) -> torch.Tensor:
+    """The `fused_moe_nvfp4` reference's contract for the calls `fused_moe_nvfp4_refusal` passes; the others are
+    refused by name before anything is written."""
+    if err := fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global,
+                                      topk_weights, topk_ids, shared_out, shared_gate):
+        raise err
+    return _fused_moe_nvfp4_launch(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+                                   topk_ids, shared_out, shared_gate, out=out, workspace=workspace)
+
+
+def _fused_moe_nvfp4_launch(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+                            topk_ids, shared_out=None, shared_gate=None, *, out=None, workspace=None) -> torch.Tensor:
+    """`fused_moe_nvfp4_triton` on a call `fused_moe_nvfp4_refusal` passed (the op's predicate checked it: one
+    check a call); the e4m3 scales go to the kernels as their uint8 bits."""
     tensors = (gu_weight, gu_scale.view(torch.uint8), gu_global.float().contiguous(),
                dn_weight, dn_scale.view(torch.uint8), dn_global.float().contiguous())
-    return _launch_moe(x, tensors, 2 * dn_weight.shape[2], topk_weights, topk_ids, shared_out, shared_gate,
+    return _launch_moe(x, tensors, gu_weight.shape[1] // 2, topk_weights, topk_ids, shared_out, shared_gate,
                        out, workspace, nvfp4=True)
 
 
-def _inner_contiguous(*tensors) -> bool:
-    return all(t.stride(-1) == 1 for t in tensors)
+def _unit_last(t: torch.Tensor) -> bool:
+    """Unit stride along the last dim (the kernels step along it by 1), or a last dim of one element."""
+    return t.shape[-1] <= 1 or t.stride(-1) == 1
 
 
-def _shapes(*pairs) -> bool:
-    """Each (tensor, shape) pair matches; an absent optional tensor (None) matches anything."""
-    return all(t is None or tuple(t.shape) == shape for t, shape in pairs)
+def _moe_kernel_refusal(x, topk_weights, topk_ids, shared_out, shared_gate, op: str) -> InputError | None:
+    """What both MoE kernels need of the activations and routing beyond `_moe_shape_refusal` (which passed),
+    or None: x bf16, fp16 or fp32 with H >= 1 (any strides: rows not contiguous are copied); int32 or int64
+    topk_ids [N, k], k >= 1, and floating topk_weights of that shape (any strides: both are copied);
+    shared_out [N, H] with unit stride along H and shared_gate [N, 1] (rows at any stride), in x's dtype."""
+    n, h = x.shape
+    dt = _dtype(x.dtype)
+    if x.dtype not in ACT_DTYPES or h == 0:
+        return InputError("x", _desc(x), "a bf16, fp16 or fp32 [N, H] tensor, H >= 1",
+                          f"call the op (`{op}`) under runtime.backend=auto: it runs the reference for the others")
+    k = topk_ids.shape[1]
+    if topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.shape[0] != n or k == 0:
+        return InputError("topk_ids", _desc(topk_ids), f"int32 or int64 [N, k] with N = {n} (x's rows) and k >= 1",
+                          "pass the ids moe_route_softmax chose for x's rows")
+    if not topk_weights.is_floating_point() or topk_weights.shape != topk_ids.shape:
+        return InputError("topk_weights", _desc(topk_weights), f"floating [N, k] = [{n}, {k}], topk_ids' shape",
+                          "pass the weights moe_route_softmax returned with these ids")
+    if shared_out is not None and (shared_out.dtype != x.dtype or shared_out.shape != x.shape
+                                   or not _unit_last(shared_out)):
+        return InputError("shared_out", _desc(shared_out, strides=True), f"a {dt} [N, H] = [{n}, {h}] tensor (x's "
+                          "dtype and shape) with unit stride along H", "pass shared_out.to(x.dtype).contiguous()")
+    if shared_gate is not None and (shared_gate.dtype != x.dtype or tuple(shared_gate.shape) != (n, 1)):
+        return InputError("shared_gate", _desc(shared_gate), f"a {dt} [N, 1] = [{n}, 1] tensor: a gate logit a "
+                          "row, in x's dtype", "pass the shared expert gate's [N, 1] logits in x's dtype")
+    return None
 
 
-def _call_ok(x, topk_weights, topk_ids, shared_out, shared_gate) -> bool:
-    """x [N, H] in a dtype the kernels take; topk_weights (floating) and topk_ids (int32 or int64) [N, k],
-    k >= 1; shared_out [N, H] and shared_gate [N, 1] (the kernels read one gate a row) in x's dtype, their
-    last dim contiguous."""
-    if x.dim() != 2 or x.dtype not in ACT_DTYPES or topk_ids.dim() != 2 or topk_ids.shape[1] < 1:
-        return False
-    n, k = topk_ids.shape
-    return (x.shape[0] == n and topk_weights.is_floating_point()
-            and topk_ids.dtype in (torch.int32, torch.int64)
-            and _shapes((topk_weights, (n, k)), (shared_out, (n, x.shape[1])), (shared_gate, (n, 1)))
-            and all(t is None or (t.dtype == x.dtype and _inner_contiguous(t)) for t in (shared_out, shared_gate)))
+def fused_moe_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None,
+                      shared_gate=None) -> InputError | None:
+    """Why `fused_moe_triton` cannot take a call, as the error it raises (the op's predicate says no to the same
+    calls), or None: the reference's shapes (`_moe_shape_refusal`, `_experts_shape_refusal`), exactly
+    (`_moe_kernel_refusal`); E and I at least 1; w_down of w_gate_up's E; both weights with unit stride along
+    their last dim (any other strides: the kernels step by them, in int64 between experts)."""
+    if err := (_moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate)
+               or _experts_shape_refusal(x, w_gate_up, w_down)
+               or _moe_kernel_refusal(x, topk_weights, topk_ids, shared_out, shared_gate, "fused_moe")):
+        return err
+    h = x.shape[1]
+    e, i = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    if e == 0 or i == 0 or not _unit_last(w_gate_up):
+        return InputError("w_gate_up", _desc(w_gate_up, strides=True), "[E, 2I, H] with E >= 1, I >= 1 and unit "
+                          "stride along H", "pass the gate_up weights of at least one expert, w_gate_up.contiguous()")
+    if w_down.shape[0] != e or not _unit_last(w_down):
+        return InputError("w_down", _desc(w_down, strides=True), f"[E, H, I] = [{e}, {h}, {i}] (w_gate_up's E) with "
+                          "unit stride along I", "pass the down weights of w_gate_up's experts, w_down.contiguous()")
+    return None
+
+
+def fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+                            topk_ids, shared_out=None, shared_gate=None) -> InputError | None:
+    """Why `fused_moe_nvfp4_triton` cannot take a call, as the error it raises (the op's predicate says no to
+    the same calls), or None: the reference's shapes (`_moe_shape_refusal`, `_nvfp4_shape_refusal`), exactly
+    (`_moe_kernel_refusal`); H and I positive multiples of 16 (whole NVFP4 blocks); codes uint8, block scales
+    float8_e4m3fn, codes and scales with unit stride along their last dim; globals floating (any strides)."""
+    if err := (_moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate)
+               or _nvfp4_shape_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global)
+               or _moe_kernel_refusal(x, topk_weights, topk_ids, shared_out, shared_gate, "fused_moe_nvfp4")):
+        return err
+    h = x.shape[1]
+    if h % 16:
+        return InputError("x", _desc(x), "H a multiple of 16 with NVFP4 experts (whole 16-element blocks along H)",
+                          "call the op (`fused_moe_nvfp4`) under runtime.backend=auto: it runs the reference for "
+                          "the others")
+    e, i = gu_weight.shape[0], gu_weight.shape[1] // 2
+    if gu_weight.dtype != torch.uint8 or e == 0 or i == 0 or i % 16 or not _unit_last(gu_weight):
+        return InputError("gu_weight", _desc(gu_weight, strides=True), "uint8 [E, 2I, H/2] with E >= 1, I a "
+                          "positive multiple of 16 (whole NVFP4 blocks along I) and unit stride along H",
+                          "pass the packed NVFP4 gate_up codes (quantize_nvfp4) of at least one expert, contiguous")
+    wants = (("gu_scale", gu_scale, torch.float8_e4m3fn, (e, 2 * i, h // 16)), ("gu_global", gu_global, None, (e, 2)),
+             ("dn_weight", dn_weight, torch.uint8, (e, h, i // 2)),
+             ("dn_scale", dn_scale, torch.float8_e4m3fn, (e, h, i // 16)), ("dn_global", dn_global, None, (e,)))
+    for name, t, dtype, shape in wants:
+        if (not t.is_floating_point() if dtype is None else t.dtype != dtype) or tuple(t.shape) != shape:
+            return InputError(name, _desc(t), f"a {'floating' if dtype is None else _dtype(dtype)} {list(shape)} "
+                              f"tensor (E = {e}, H = {h}, I = {i})", f"pass the {name} quantize_nvfp4 made with "
+                              "these experts' codes")
+        if dtype is not None and not _unit_last(t):
+            return InputError(name, _desc(t, strides=True), "unit stride along the last dim",
+                              f"pass {name}.contiguous()")
+    return None
 
 
 def _fused_moe_supports(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None,
                         **_) -> bool:
     extra = [t for t in (shared_out, shared_gate) if t is not None]
-    if not (triton_can_run(x, w_gate_up, w_down, topk_weights, topk_ids, *extra)
-            and _call_ok(x, topk_weights, topk_ids, shared_out, shared_gate) and w_down.dim() == 3):
-        return False
-    e, h, i = w_down.shape
-    return (min(e, h, i) > 0 and _shapes((x, (x.shape[0], h)), (w_gate_up, (e, 2 * i, h)))
-            and w_gate_up.dtype == w_down.dtype == x.dtype and _inner_contiguous(w_gate_up, w_down))
+    return (triton_can_run(x, w_gate_up, w_down, topk_weights, topk_ids, *extra)
+            and fused_moe_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate) is None)
+
+
+def _fused_moe_call_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None,
+                            **_) -> InputError | None:
+    return fused_moe_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate)
 
 
 def _fused_moe_nvfp4_supports(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
                               topk_ids, shared_out=None, shared_gate=None, **_) -> bool:
     extra = [t for t in (shared_out, shared_gate) if t is not None]
-    if not (triton_can_run(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+    return (triton_can_run(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
                            topk_ids, *extra)
-            and _call_ok(x, topk_weights, topk_ids, shared_out, shared_gate) and dn_weight.dim() == 3):
-        return False
-    e, h, i = dn_weight.shape[0], dn_weight.shape[1], 2 * dn_weight.shape[2]
-    return (min(e, h, i) > 0 and h % 16 == 0 and i % 16 == 0                # whole NVFP4 blocks along H and I
-            and _shapes((x, (x.shape[0], h)), (gu_weight, (e, 2 * i, h // 2)), (gu_scale, (e, 2 * i, h // 16)),
-                        (gu_global, (e, 2)), (dn_scale, (e, h, i // 16)), (dn_global, (e,)))
-            and gu_weight.dtype == dn_weight.dtype == torch.uint8
-            and gu_scale.dtype == dn_scale.dtype == torch.float8_e4m3fn
-            and gu_global.is_floating_point() and dn_global.is_floating_point()
-            and _inner_contiguous(gu_weight, gu_scale, dn_weight, dn_scale))
+            and fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global,
+                                        topk_weights, topk_ids, shared_out, shared_gate) is None)
 
 
-moe_route_softmax.register_provider("triton", _moe_route_softmax_triton, _route_supports)
-fused_moe.register_provider("triton", _fused_moe_triton, _fused_moe_supports)
-fused_moe_nvfp4.register_provider("triton", _fused_moe_nvfp4_triton, _fused_moe_nvfp4_supports)
+def _fused_moe_nvfp4_call_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+                                  topk_ids, shared_out=None, shared_gate=None, **_) -> InputError | None:
+    return fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+                                   topk_ids, shared_out, shared_gate)
+
+
+moe_route_softmax.register_provider("triton", _route_launch, _route_supports, _route_call_refusal)
+fused_moe.register_provider("triton", _fused_moe_launch, _fused_moe_supports, _fused_moe_call_refusal)
+fused_moe_nvfp4.register_provider("triton", _fused_moe_nvfp4_launch, _fused_moe_nvfp4_supports,
+                                  _fused_moe_nvfp4_call_refusal)

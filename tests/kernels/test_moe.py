@@ -19,11 +19,13 @@ Tolerances, relative to the largest output magnitude:
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError, InputError
+from mtpfactory.errors import ConfigError, InputError, MtpfError
 from mtpfactory.kernels import moe
 from mtpfactory.quant import E2M1_VALUES
 
@@ -225,6 +227,44 @@ def test_route_refuses_more_experts_than_there_are():
         moe.moe_route_softmax(logits, 5, True)
 
 
+# Routing calls the kernel cannot take, as changes to a served one (logits fp32 [3, 9], top_k 2): the logits and
+# top_k, the argument at fault, and what the reference does: refuse the call by the same name, or (None) serve it.
+ROUTE_MISFITS = {
+    "logits-1d": (lambda: torch.randn(9), 2, "router_logits", "router_logits"),
+    "logits-3d": (lambda: torch.randn(1, 3, 9), 2, "router_logits", "router_logits"),
+    "top_k-0": (lambda: torch.randn(3, 9), 0, "top_k", "top_k"),
+    "top_k-above-E": (lambda: torch.randn(3, 9), 10, "top_k", "top_k"),
+    "logits-float64": (lambda: torch.randn(3, 9).double(), 2, "router_logits", None),
+    "logits-int64": (lambda: torch.randint(-3, 3, (3, 9)), 2, "router_logits", None),
+    "E-above-max": (lambda: torch.randn(3, moe.MAX_ROUTED_EXPERTS + 1), 2, "router_logits", None),
+}
+
+
+@pytest.mark.parametrize("case", ROUTE_MISFITS, ids=str)
+def test_route_refusal_names_the_argument(case):
+    """One rule (`moe_route_softmax_refusal`) for the predicate, the provider called directly and the error of
+    backend=triton: each call the kernel cannot take is refused naming the argument at fault, nothing written.
+    The reference refuses the shapes it cannot compute with by the same name, and serves the others."""
+    make, top_k, field, ref_field = ROUTE_MISFITS[case]
+    logits = make()
+    supports = moe.moe_route_softmax.providers["triton"].supports
+    out = (torch.full((3, 2), NAN), torch.full((3, 2), -7, dtype=torch.int64))
+    with ops.use_backend("triton"):
+        assert supports(torch.randn(3, 9), 2, True)
+        assert not supports(logits, top_k, True)
+        with pytest.raises(ConfigError, match=f"it refuses {re.escape(field)}="):
+            moe.moe_route_softmax(logits, top_k, True, out=out)
+        with pytest.raises(InputError, match=f"^{re.escape(field)}="):
+            moe.moe_route_softmax_triton(logits, top_k, True, out=out)
+    assert bool(out[0].isnan().all()) and bool((out[1] == -7).all())
+    with ops.use_backend("native"):
+        if ref_field is None:
+            assert moe.moe_route_softmax(logits, top_k, True)[1].shape == (3, top_k)
+        else:
+            with pytest.raises(InputError, match=f"^{re.escape(ref_field)}="):
+                moe.moe_route_softmax(logits, top_k, True)
+
+
 # --- the references --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -335,14 +375,15 @@ def test_fused_moe_nvfp4_triton_matches_reference(shape, dtype):
 
 
 def test_fused_moe_triton_fp16_and_strided_rows():
-    """fp16 activations, and x / shared_out / out given as row slices of wider tensors (a row stride != H)."""
+    """fp16 activations, and x / shared_out / out given as row slices of wider tensors (a row stride != H), the
+    gate [N, 1] a column of a transposed tensor (strides (1, N): the kernels read one gate a row, by its stride)."""
     n, e, k, h, i = 5, 6, 2, 32, 32
     gen = torch.Generator().manual_seed(7)
     wide = torch.randn(n, 2 * h, generator=gen).half()
     x = wide[:, h:]
     w_gate_up, w_down = experts(e, h, i, torch.float16, gen)
     weights, ids = routing(n, e, k, gen)
-    blend = dict(shared_out=wide[:, :h], shared_gate=torch.randn(n, 1, generator=gen).half())
+    blend = dict(shared_out=wide[:, :h], shared_gate=torch.randn(1, n, generator=gen).half().t())
     args = dict(w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights, topk_ids=ids)
     got, want = run_both(moe.fused_moe, x, args, blend, k, i)
     scaled_close(got, want, TOL[torch.float16])
@@ -531,39 +572,96 @@ def nvfp4_sized(h: int, i: int) -> dict[str, torch.Tensor]:
                 dn_scale=torch.zeros(4, h, i // 16).to(torch.float8_e4m3fn))
 
 
-# Calls whose shapes the kernels would misread: (format, the arguments that replace those of a served call
-# at N 3, E 4, k 2, H 32, I 32).
+def strided(shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
+    """Zeros of `shape` whose last two dims are swapped in memory (the last dim not of unit stride)."""
+    return torch.zeros(*shape[:-2], shape[-1], shape[-2]).to(dtype).transpose(-1, -2)
+
+
+def as_double(args: dict) -> dict:
+    return {name: args[name].double() for name in ("x", "w_gate_up", "w_down", "shared_out", "shared_gate")}
+
+
+E4M3 = torch.float8_e4m3fn
+# Calls the MoE kernels cannot take, as changes to a served call at N 3, E 4, k 2, H 32, I 32 (fp32, with the shared
+# blend): (format, the arguments that replace the call's (from its arguments), the argument at fault, what the
+# reference does: refuse the call by that name (a regex; `dequantize_nvfp4` names an expert's tensor), or (None)
+# serve it).
 MISFITS = {
-    "x-H-not-the-experts": ("unq", lambda: dict(x=torch.zeros(3, 16), shared_out=torch.zeros(3, 16))),
-    "x-rows-not-the-ids": ("unq", lambda: dict(x=torch.zeros(2, 32))),
-    "weights-not-ids-shape": ("unq", lambda: dict(topk_weights=torch.ones(3, 1))),
-    "no-expert-per-row": ("unq", lambda: dict(topk_weights=torch.ones(3, 0),
-                                              topk_ids=torch.zeros(3, 0, dtype=torch.int64))),
-    "ids-float": ("unq", lambda: dict(topk_ids=torch.zeros(3, 2))),
-    "gate-per-element": ("unq", lambda: dict(shared_gate=torch.zeros(3, 32))),
-    "shared_out-H": ("unq", lambda: dict(shared_out=torch.zeros(3, 16))),
-    "down-I-not-gate_up": ("unq", lambda: dict(w_down=torch.zeros(4, 32, 16))),
-    "down-E-not-gate_up": ("unq", lambda: dict(w_down=torch.zeros(5, 32, 32))),
-    "nvfp4-H-40": ("nvfp4", lambda: nvfp4_sized(40, 32)),
-    "nvfp4-I-24": ("nvfp4", lambda: nvfp4_sized(32, 24)),
-    "nvfp4-gu_global-per-expert": ("nvfp4", lambda: dict(gu_global=torch.ones(4))),
-    "nvfp4-dn_scale-rows": ("nvfp4", lambda: dict(dn_scale=torch.zeros(4, 16, 2).to(torch.float8_e4m3fn))),
-    "nvfp4-x-H-not-the-experts": ("nvfp4", lambda: dict(x=torch.zeros(3, 48), shared_out=torch.zeros(3, 48))),
+    "x-1d": ("unq", lambda a: dict(x=torch.zeros(32)), "x", "x"),
+    "x-3d": ("unq", lambda a: dict(x=torch.zeros(1, 3, 32)), "x", "x"),
+    "x-float64": ("unq", as_double, "x", None),
+    "x-H-not-the-experts": ("unq", lambda a: dict(x=torch.zeros(3, 16), shared_out=torch.zeros(3, 16)), "w_gate_up",
+                            "w_gate_up"),
+    "x-rows-not-the-ids": ("unq", lambda a: dict(x=torch.zeros(2, 32)), "topk_ids", "topk_ids"),
+    "ids-fewer-rows-than-x": ("unq", lambda a: dict(topk_ids=a["topk_ids"][:2], topk_weights=a["topk_weights"][:2]),
+                              "topk_ids", None),
+    "no-expert-per-row": ("unq", lambda a: dict(topk_weights=torch.ones(3, 0),
+                                                topk_ids=torch.zeros(3, 0, dtype=torch.int64)), "topk_ids", None),
+    "ids-float": ("unq", lambda a: dict(topk_ids=a["topk_ids"].float()), "topk_ids", "topk_ids"),
+    "ids-int16": ("unq", lambda a: dict(topk_ids=a["topk_ids"].to(torch.int16)), "topk_ids", None),
+    "weights-not-ids-shape": ("unq", lambda a: dict(topk_weights=torch.ones(3, 1)), "topk_weights", "topk_weights"),
+    "weights-wider-than-ids": ("unq", lambda a: dict(topk_weights=torch.ones(3, 3)), "topk_weights", None),
+    "weights-int64": ("unq", lambda a: dict(topk_weights=torch.ones(3, 2, dtype=torch.int64)), "topk_weights", None),
+    "shared_out-H": ("unq", lambda a: dict(shared_out=torch.zeros(3, 16)), "shared_out", "shared_out"),
+    "shared_out-columns-strided": ("unq", lambda a: dict(shared_out=strided((3, 32))), "shared_out", None),
+    "gate-per-element": ("unq", lambda a: dict(shared_gate=torch.zeros(3, 32)), "shared_gate", None),
+    "gate-bf16": ("unq", lambda a: dict(shared_gate=torch.zeros(3, 1, dtype=torch.bfloat16)), "shared_gate", None),
+    "gate_up-odd-rows": ("unq", lambda a: dict(w_gate_up=torch.zeros(4, 65, 32)), "w_gate_up", "w_gate_up"),
+    "gate_up-bf16": ("unq", lambda a: dict(w_gate_up=a["w_gate_up"].bfloat16()), "w_gate_up", "w_gate_up"),
+    "gate_up-H-strided": ("unq", lambda a: dict(w_gate_up=strided((4, 64, 32))), "w_gate_up", None),
+    "no-experts": ("unq", lambda a: dict(w_gate_up=torch.zeros(0, 64, 32), w_down=torch.zeros(0, 32, 32)),
+                   "w_gate_up", "topk_ids"),
+    "down-I-not-gate_up": ("unq", lambda a: dict(w_down=torch.zeros(4, 32, 16)), "w_down", "w_down"),
+    "down-H-not-x": ("unq", lambda a: dict(w_down=torch.zeros(4, 16, 32)), "w_down", "w_down"),
+    "down-E-more-than-gate_up": ("unq", lambda a: dict(w_down=torch.zeros(5, 32, 32)), "w_down", None),
+    "down-E-fewer-than-gate_up": ("unq", lambda a: dict(w_down=torch.zeros(3, 32, 32)), "w_down", "w_down"),
+    "down-I-strided": ("unq", lambda a: dict(w_down=strided((4, 32, 32))), "w_down", None),
+    "nvfp4-H-40": ("nvfp4", lambda a: nvfp4_sized(40, 32), "x", r"experts\.\d+\.gate_proj\.weight"),
+    "nvfp4-I-24": ("nvfp4", lambda a: nvfp4_sized(32, 24), "gu_weight", r"experts\.\d+\.down_proj\.weight"),
+    "nvfp4-x-H-not-the-experts": ("nvfp4", lambda a: dict(x=torch.zeros(3, 48), shared_out=torch.zeros(3, 48)),
+                                  "gu_weight", "gu_weight"),
+    "nvfp4-gu_weight-int8": ("nvfp4", lambda a: dict(gu_weight=a["gu_weight"].view(torch.int8)), "gu_weight",
+                             r"experts\.\d+\.gate_proj\.weight"),
+    "nvfp4-gu_scale-float32": ("nvfp4", lambda a: dict(gu_scale=a["gu_scale"].float()), "gu_scale", None),
+    "nvfp4-gu_scale-strided": ("nvfp4", lambda a: dict(gu_scale=strided((4, 64, 2), E4M3)), "gu_scale", None),
+    "nvfp4-gu_global-per-expert": ("nvfp4", lambda a: dict(gu_global=torch.ones(4)), "gu_global", "gu_global"),
+    "nvfp4-gu_global-3-columns": ("nvfp4", lambda a: dict(gu_global=torch.ones(4, 3)), "gu_global", None),
+    "nvfp4-dn_weight-E-fewer": ("nvfp4", lambda a: dict(dn_weight=a["dn_weight"][:3]), "dn_weight", "dn_weight"),
+    "nvfp4-dn_weight-strided": ("nvfp4", lambda a: dict(dn_weight=strided((4, 32, 16), torch.uint8)), "dn_weight",
+                                None),
+    "nvfp4-dn_scale-rows": ("nvfp4", lambda a: dict(dn_scale=torch.zeros(4, 16, 2).to(E4M3)), "dn_scale",
+                            r"experts\.\d+\.down_proj\.weight_scale\.shape"),
+    "nvfp4-dn_scale-E-fewer": ("nvfp4", lambda a: dict(dn_scale=a["dn_scale"][:3]), "dn_scale", "dn_scale"),
+    "nvfp4-dn_global-E-more": ("nvfp4", lambda a: dict(dn_global=torch.ones(5)), "dn_global", None),
+    "nvfp4-dn_global-int64": ("nvfp4", lambda a: dict(dn_global=torch.ones(4, dtype=torch.int64)), "dn_global", None),
 }
 
 
 @pytest.mark.parametrize("case", MISFITS, ids=str)
-def test_triton_providers_refuse_shapes_that_do_not_fit(case):
-    """The predicate says no (so `auto` runs the reference and `triton` raises naming the op); the call it
-    was changed from is served, so the refusal is the change's."""
-    fmt, change = MISFITS[case]
+def test_moe_refusal_names_the_argument(case):
+    """One rule per op (`fused_moe_refusal`, `fused_moe_nvfp4_refusal`) for the predicate, the provider called
+    directly and the error of backend=triton: each call the kernels cannot take (the call it was changed from is
+    served) is refused naming the argument at fault, nothing written into `out` or `workspace`. The reference
+    refuses by name the shapes it cannot compute with (never a torch error from inside), and serves the others."""
+    fmt, change, field, ref_field = MISFITS[case]
     op, args = moe_call(fmt, (3, 4, 2, 32, 32), torch.float32, torch.Generator().manual_seed(14))
+    bad = {**args, **change(args)}
+    buffers = poisoned(3, 32, 2, 32, torch.float32, "cpu")
     supports = op.providers["triton"].supports
     with ops.use_backend("triton"):
         assert supports(**args)
-        assert not supports(**{**args, **change()})
-        with pytest.raises(ConfigError, match=op.name):
-            op(**{**args, **change()})
+        assert not supports(**bad)
+        with pytest.raises(ConfigError, match=f"{op.name} .*it refuses {re.escape(field)}="):
+            op(**bad, **buffers)
+        with pytest.raises(InputError, match=f"^{re.escape(field)}="):
+            getattr(moe, f"{op.name}_triton")(**bad, **buffers)          # the provider, called directly
+    assert all(bool(t.isnan().all()) for t in buffers.values())
+    with ops.use_backend("native"):
+        if ref_field is None:
+            assert op(**bad).shape == bad["x"].shape
+        else:
+            with pytest.raises(MtpfError, match=f"^{ref_field}="):
+                op(**bad)
 
 
 def test_triton_backend_refuses_what_it_cannot_serve():
