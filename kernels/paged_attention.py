@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpfactory.errors import InputError
 from mtpfactory.ops import Op, check_indices, out_or_empty, triton_can_run, write_out
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -23,6 +24,57 @@ _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
 _INTS = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _shape_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   context_lens: torch.Tensor, gate: torch.Tensor | None, k_scale: torch.Tensor | None,
+                   v_scale: torch.Tensor | None) -> InputError | None:
+    """Why no provider can attend with these shapes, or None (the reference's part of
+    `paged_decode_attention_refusal`): q [B, q_heads, D]; k_cache [blocks, block_size, kv_heads >= 1, D], q_heads
+    a multiple of kv_heads; v_cache and the scales ([blocks, block_size, kv_heads]) of k_cache's block_size and
+    kv_heads (and D); block_tables [B, max_blocks] and context_lens [B] (the reference reads the first B rows
+    of longer ones); gate broadcast to q's shape. Caches and scales may differ in their count of blocks: the
+    reference checks the block ids against the fewest."""
+    if q.dim() != 3:
+        return InputError("q", f"{q.dtype} {list(q.shape)}", "a [B, q_heads, D] tensor, one query row a sequence",
+                          "view the heads as [B, q_heads, D]")
+    b, hq, d = q.shape
+    if k_cache.dim() != 4 or k_cache.shape[2] == 0 or k_cache.shape[3] != d:
+        return InputError("k_cache", f"{k_cache.dtype} {list(k_cache.shape)}",
+                          f"a [blocks, block_size, kv_heads >= 1, D] tensor of q's head_dim D = {d} "
+                          f"(q {list(q.shape)})", "pass the K cache of q's attention layer")
+    if hq % k_cache.shape[2]:
+        return InputError("q", f"{q.dtype} {list(q.shape)}",
+                          f"q_heads a multiple of the cache's kv_heads = {k_cache.shape[2]} (GQA: each KV head "
+                          "serves a group of q heads)", "pass the q heads of the cache's attention layer")
+    for name, t, want in (("v_cache", v_cache, k_cache.shape[1:]), ("k_scale", k_scale, k_cache.shape[1:3]),
+                          ("v_scale", v_scale, k_cache.shape[1:3])):
+        if t is not None and (t.dim() != len(want) + 1 or t.shape[1:] != want):
+            what = "[blocks, block_size, kv_heads, D]" if name == "v_cache" else "[blocks, block_size, kv_heads]"
+            return InputError(name, f"{t.dtype} {list(t.shape)}",
+                              f"a {what} tensor of k_cache's {list(want)} (k_cache {list(k_cache.shape)})",
+                              "pass the V cache of this K cache" if name == "v_cache" else
+                              f"pass the cache's {name} (PagedKVCache's), or None for unit scales")
+    if block_tables.dim() != 2 or block_tables.shape[0] < b:
+        return InputError("block_tables", f"{block_tables.dtype} {list(block_tables.shape)}",
+                          f"a [B, max_blocks] tensor, a row of block ids a sequence of q's B = {b}",
+                          "pass a row of block ids for each sequence")
+    if context_lens.dim() != 1 or context_lens.shape[0] < b:
+        return InputError("context_lens", f"{context_lens.dtype} {list(context_lens.shape)}",
+                          f"a [B] tensor, a token count a sequence of q's B = {b}",
+                          "pass each sequence's count of tokens to attend")
+    if gate is not None and not _broadcasts_to(gate.shape, q.shape):
+        return InputError("gate", f"{gate.dtype} {list(gate.shape)}",
+                          f"q's shape {list(q.shape)}, or one that broadcasts to it",
+                          "pass the gate of q's heads (the second half of the fused q|gate projection)")
+    return None
+
+
+def _broadcasts_to(shape: torch.Size, want: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, want) == want
+    except RuntimeError:
+        return False
 
 
 def _paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -36,9 +88,12 @@ def _paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     (tokens to attend, from 0 to max_blocks * block_size).
 
     Softmax in fp32; returns [B, q_heads, D] in q's dtype (a row with no context gives zeros), written into
-    `out` when given."""
+    `out` when given. Shapes as `_shape_refusal` says."""
+    if err := _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale):
+        raise err
     b, hq, d = q.shape
-    nb, bs, hkv = k_cache.shape[:3]
+    bs, hkv = k_cache.shape[1:3]
+    nb = min(t.shape[0] for t in (k_cache, v_cache, k_scale, v_scale) if t is not None)
     check_indices("context_lens", context_lens, 0, block_tables.shape[1] * bs + 1,
                   f"token counts that {block_tables.shape[1]} blocks of {bs} hold",
                   "widen block_tables to cover every sequence's context")
@@ -189,6 +244,106 @@ def _default_splits(q: torch.Tensor, programs: int, max_tokens: int, block_n: in
     return max(1, min(want, max_tokens // max(256, block_n), 64))
 
 
+_MAX_BLOCK = tl.TRITON_MAX_TENSOR_NUMEL    # the most elements of one tile
+_MAX_SEQS = 2**31 - 1                      # grid axis 0 (sequences)
+_MAX_PROGRAMS = 65535                      # grid axes 1 (KV heads) and 2 (context splits)
+_MAX_D = 512
+_WARPS = (1, 2, 4, 8, 16, 32)
+
+
+def _pads(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
+    """(G_PAD, D_PAD): a group's q heads and a head's dims, each a power of two of at least 16 (tl.dot)."""
+    return (max(16, triton.next_power_of_2(q.shape[1] // k_cache.shape[2])),
+            max(16, triton.next_power_of_2(q.shape[2])))
+
+
+def _whole(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                   gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                                   v_scale: torch.Tensor | None = None, *,
+                                   out: torch.Tensor | None = None) -> InputError | None:
+    """Why `paged_decode_attention_triton` cannot take these operands, as the error it raises (its predicate
+    says no to the same calls), or None: q a bf16, fp16 or fp32 [B, q_heads, D], D <= 512, B < 2^31 (the
+    grid); k_cache a bf16, fp16, fp32 or float8_e4m3fn [blocks, block_size, kv_heads, D], kv_heads >= 1 dividing
+    q_heads, at most 65535 (the grid), a group's [q_heads / kv_heads, D] tile (padded to powers of two >= 16)
+    of at most 2^20 elements; FP8 only on the CPU or sm_89 and later (which convert E4M3); v_cache of k_cache's
+    shape and dtype; gate None or bf16, fp16 or fp32 of q's shape; k_scale, v_scale None or float32 [blocks,
+    block_size, kv_heads]; block_tables an int32 or int64 [B, max_blocks]; context_lens an int32 or int64 [B];
+    any strides; all on q's device. `out` is checked where it is written (`check_out`)."""
+    if err := _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale):
+        return err
+    b, hq, d = q.shape
+    if q.dtype not in _FLOATS or d > _MAX_D or b > _MAX_SEQS:
+        return InputError("q", f"{q.dtype} {list(q.shape)}",
+                          f"a bf16, fp16 or fp32 [B, q_heads, D] tensor, D <= {_MAX_D}, B <= {_MAX_SEQS} (the grid)",
+                          "call the op (`paged_decode_attention`) under runtime.backend=auto: it runs the reference "
+                          "for others")
+    hkv = k_cache.shape[2]
+    g_pad, d_pad = _pads(q, k_cache)
+    if k_cache.dtype not in _KV_DTYPES or hkv > _MAX_PROGRAMS or g_pad * d_pad > _MAX_BLOCK:
+        return InputError("k_cache", f"{k_cache.dtype} {list(k_cache.shape)}",
+                          f"a bf16, fp16, fp32 or float8_e4m3fn cache of at most {_MAX_PROGRAMS} KV heads (the grid), "
+                          f"each serving a [q_heads / kv_heads, D] group (padded to powers of two >= 16) of at most "
+                          f"{_MAX_BLOCK} elements (q {list(q.shape)})",
+                          "call the op (`paged_decode_attention`) under runtime.backend=auto: it runs the reference "
+                          "for others")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and q.is_cuda and (cap := torch.cuda.get_device_capability(q.device)) < (8, 9):
+        return InputError("k_cache", f"float8_e4m3fn on {q.device}, capability {cap}",
+                          "FP8 caches need sm_89 or later (the kernel converts E4M3)",
+                          "call the op (`paged_decode_attention`) under runtime.backend=auto: it runs the reference "
+                          "here")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        return InputError("v_cache", f"{v_cache.dtype} {list(v_cache.shape)}",
+                          f"k_cache's shape and dtype, {k_cache.dtype} {list(k_cache.shape)} (the kernel walks both "
+                          "by one block table)", "pass the V cache of this K cache")
+    if gate is not None and (gate.shape != q.shape or gate.dtype not in _FLOATS):
+        return InputError("gate", f"{gate.dtype} {list(gate.shape)}",
+                          f"None or a bf16, fp16 or fp32 tensor of q's shape {list(q.shape)}",
+                          "pass a bf16, fp16 or fp32 gate of q's shape (gate.expand_as(q))")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is not None and (t.dtype != torch.float32 or t.shape != k_cache.shape[:3]):
+            return InputError(name, f"{t.dtype} {list(t.shape)}",
+                              f"None or a float32 [blocks, block_size, kv_heads] = {list(k_cache.shape[:3])} tensor",
+                              f"pass {name}.float(), one scale a slot and KV head of this cache")
+    for name, t, dims in (("block_tables", block_tables, "[B, max_blocks]"), ("context_lens", context_lens, "[B]")):
+        if t.dtype not in _INTS or t.shape[0] != b:
+            return InputError(name, f"{t.dtype} {list(t.shape)}", f"an int32 or int64 {dims} tensor, B = q's {b}",
+                              f"pass {name}[:{b}] as int32 or int64 ({name}.int())")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("context_lens", context_lens), ("gate", gate), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is not None and t.device != q.device:
+            return InputError(name, f"on {t.device}", f"on q's device, {q.device} (the kernel reads it there)",
+                              f"pass {name} on q's device")
+    return None
+
+
+def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None, block_n: int, num_warps: int,
+                   fast_dot: bool) -> InputError | None:
+    """Why `paged_decode_attention_triton` cannot launch with these tuning arguments (which the op does not
+    take), or None: num_splits None or 1 to 65535 (the grid); block_n a power of two >= 16 (tl.dot) whose
+    [block_n, D] and [q_heads / kv_heads, block_n] tiles (padded) hold at most 2^20 elements; num_warps 1, 2,
+    4, 8, 16 or 32; fast_dot a bool. Asked on operands `paged_decode_attention_refusal` passed."""
+    if num_splits is not None and not (_whole(num_splits) and 1 <= num_splits <= _MAX_PROGRAMS):
+        return InputError("num_splits", num_splits, f"None (picked from the GPU's size) or 1 to {_MAX_PROGRAMS} (the "
+                          "grid)", "leave num_splits=None")
+    g_pad, d_pad = _pads(q, k_cache)
+    if not (_whole(block_n) and block_n >= 16 and block_n & (block_n - 1) == 0
+            and block_n * max(g_pad, d_pad) <= _MAX_BLOCK):
+        rows = max(g_pad, d_pad)
+        return InputError("block_n", block_n, f"a power of two >= 16 (tl.dot), at most {_MAX_BLOCK // rows} here (a "
+                          f"tile of {rows} rows holds at most {_MAX_BLOCK} elements)", "leave block_n=16")
+    if not _whole(num_warps) or num_warps not in _WARPS:
+        return InputError("num_warps", num_warps, f"one of {', '.join(map(str, _WARPS))}", "leave num_warps=4")
+    if not isinstance(fast_dot, bool):
+        return InputError("fast_dot", fast_dot, "True or False", "pass fast_dot=True or False")
+    return None
+
+
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
@@ -203,12 +358,29 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     The dots take fp32 operands (tf32 on the GPU: exact products for 16-bit and FP8 inputs, p rounded to
     10 mantissa bits), "ieee" when q or the cache is fp32. `fast_dot` (GPU, 16-bit q) runs them in q's
-    dtype instead, the flash-attention way: p rounded to bf16/fp16, less register and shared memory."""
+    dtype instead, the flash-attention way: p rounded to bf16/fp16, less register and shared memory.
+    Operands as `paged_decode_attention_refusal` says, tuning arguments as `tuning_refusal`."""
+    if err := (paged_decode_attention_refusal(q, k_cache, v_cache, block_tables, context_lens, scale, gate, k_scale,
+                                              v_scale)
+               or tuning_refusal(q, k_cache, num_splits, block_n, num_warps, fast_dot)):
+        raise err
+    return paged_decode_attention_launch(q, k_cache, v_cache, block_tables, context_lens, scale, gate, k_scale,
+                                         v_scale, out=out, num_splits=num_splits, block_n=block_n,
+                                         num_warps=num_warps, fast_dot=fast_dot)
+
+
+def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                                  v_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                                  num_splits: int | None = None, block_n: int = 16,
+                                  num_warps: int = 4, fast_dot: bool = False) -> torch.Tensor:
+    """`paged_decode_attention_triton` on operands `paged_decode_attention_refusal` (and tuning arguments
+    `tuning_refusal`) passed (the op's predicate checked the operands and takes no tuning: one check a call)."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    g_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
-    d_pad = max(16, triton.next_power_of_2(d))
+    g_pad, d_pad = _pads(q, k_cache)
     out = out_or_empty(out, q.shape, q.dtype, q.device)
     if b == 0:
         return out
@@ -253,24 +425,13 @@ def _triton_supports(q, k_cache, v_cache, block_tables, context_lens, scale, gat
     `paged_decode_attention_triton` itself."""
     tensors = [t for t in (q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale)
                if t is not None]
-    if not triton_can_run(*tensors):
-        return False
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
-        return False
-    if q.dtype not in _FLOATS or k_cache.dtype not in _KV_DTYPES or v_cache.dtype != k_cache.dtype:
-        return False
-    if q.shape[1] % k_cache.shape[2] != 0 or q.shape[2] > 512:
-        return False
-    if gate is not None and (gate.shape != q.shape or gate.dtype not in _FLOATS):
-        return False
-    for s in (k_scale, v_scale):
-        if s is not None and (s.dtype != torch.float32 or s.shape != k_cache.shape[:3]):
-            return False
-    return (block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0] and context_lens.shape == q.shape[:1]
-            and block_tables.dtype in _INTS and context_lens.dtype in _INTS)
+    return (triton_can_run(*tensors)
+            and paged_decode_attention_refusal(q, k_cache, v_cache, block_tables, context_lens, scale, gate,
+                                               k_scale, v_scale) is None)
 
 
 paged_decode_attention = Op("paged_decode_attention", _paged_decode_attention_native)
-paged_decode_attention.register_provider("triton", paged_decode_attention_triton, _triton_supports)
+paged_decode_attention.register_provider("triton", paged_decode_attention_launch, _triton_supports,
+                                         paged_decode_attention_refusal)
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_triton"]
+__all__ = ["paged_decode_attention", "paged_decode_attention_refusal", "paged_decode_attention_triton"]

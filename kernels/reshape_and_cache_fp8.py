@@ -17,22 +17,67 @@ import torch
 import triton
 import triton.language as tl
 
+from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
+from mtpfactory.kernels.reshape_and_cache import (cache_dims_refusal, check_slots, rows_refusal,
+                                                  slot_dtype_refusal)
 from mtpfactory.ops import Op, triton_can_run
-from mtpfactory.kernels.reshape_and_cache import check_slots
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, to_e4m3
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # 448, readable inside @triton.jit
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_FP8 = torch.float8_e4m3fn
+
+
+def _cache_refusal(name: str, cache: torch.Tensor) -> InputError | None:
+    """Why no provider can quantize into `cache`, or None: a float8_e4m3fn [blocks, block_size, kv_heads, D]."""
+    if cache.dtype != _FP8:
+        return InputError(name, f"{cache.dtype} {list(cache.shape)}",
+                          "a float8_e4m3fn [blocks, block_size, kv_heads, D] tensor",
+                          "write 16- and 32-bit caches with reshape_and_cache")
+    return cache_dims_refusal(name, cache)
+
+
+def _scale_refusal(name: str, scale: torch.Tensor | None, x: torch.Tensor, cache: torch.Tensor) -> InputError | None:
+    """Why no provider can store `scale` (k_scale or v_scale) beside `cache`, or None: None, or fp32 [blocks,
+    block_size, kv_heads] = cache's first three dims, one scale a slot and KV head; x's rows then of D >= 1 (a
+    row's scale is its amax / 448)."""
+    if scale is None:
+        return None
+    if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(cache.shape[:3]):
+        return InputError(name, f"{scale.dtype} {list(scale.shape)}",
+                          f"None or a float32 [blocks, block_size, kv_heads] = {list(cache.shape[:3])} tensor, one "
+                          f"scale a slot and KV head of {name[0]}_cache {list(cache.shape)}",
+                          "pass the cache's scales (PagedKVCache's k_scale / v_scale), or None for unit scales")
+    if x.dim() > 0 and x.shape[-1] == 0:
+        return InputError(name[0], f"{x.dtype} {list(x.shape)}",
+                          f"rows of D >= 1 with {name} (a row's scale is its amax / 448)",
+                          f"pass {name}=None for rows of no elements")
+    return None
+
+
+def _shape_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+                   ) -> InputError | None:
+    """Why no provider can write k and v at these slots, or None (the reference's part of
+    `reshape_and_cache_fp8_refusal`: rows that broadcast, slots of any shape, each cache of its own shape)."""
+    if err := (slot_dtype_refusal(slots) or _cache_refusal("k_cache", k_cache)
+               or _cache_refusal("v_cache", v_cache)):
+        return err
+    return (rows_refusal("k", k, k_cache, slots, exact=False) or rows_refusal("v", v, v_cache, slots, exact=False)
+            or _scale_refusal("k_scale", k_scale, k, k_cache) or _scale_refusal("v_scale", v_scale, v, v_cache))
 
 
 def _reshape_and_cache_fp8_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                                   v_cache: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None) -> None:
     """k, v: [N, kv_heads, D] (any float dtype); k_cache, v_cache: float8_e4m3fn [blocks, block_size,
-    kv_heads, D]; slots: [N] int in [-blocks * block_size, blocks * block_size) (a negative slot counts from
-    the end); k_scale, v_scale: fp32 [blocks, block_size, kv_heads] or None. In place."""
-    check_slots(slots, k_cache)
+    kv_heads, D]; slots: [N] int in [-blocks * block_size, blocks * block_size) of the cache with fewer slots
+    (a negative slot counts from the end); k_scale, v_scale: fp32 [blocks, block_size, kv_heads] or None.
+    Shapes and dtypes as `_shape_refusal` says. In place."""
+    if err := _shape_refusal(k, v, k_cache, v_cache, slots, k_scale, v_scale):
+        raise err
+    check_slots(slots, min(k_cache, v_cache, key=lambda c: c.shape[0] * c.shape[1]))
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         nb, bs = cache.shape[:2]
         y = x.float()  # [N, kv_heads, D]
@@ -87,7 +132,7 @@ def _reshape_and_cache_fp8_kernel(
     """One program per row: all KV heads of K and of V. A negative slot counts from the end, as the
     reference's indexing does (Triton's // and % round toward zero, so it must be wrapped first); a slot
     outside [-n_slots, n_slots) writes nothing."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * k's row stride may pass 2^31
     slot = tl.load(slots_ptr + row).to(tl.int64)
     slot = tl.where(slot < 0, slot + n_slots, slot)
     if (slot >= 0) & (slot < n_slots):
@@ -99,13 +144,79 @@ def _reshape_and_cache_fp8_kernel(
                         s_vsb, s_vst, s_vsh, KV_HEADS, H_PAD, HEAD_DIM, D_PAD, HAS_V_SCALE)
 
 
+_MAX_BLOCK = tl.TRITON_MAX_TENSOR_NUMEL    # the most elements of one tile
+_MAX_TOKENS = 2**31 - 1                    # grid axis 0 (tokens)
+
+
+def reshape_and_cache_fp8_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  slots: torch.Tensor, k_scale: torch.Tensor | None = None,
+                                  v_scale: torch.Tensor | None = None) -> InputError | None:
+    """Why `reshape_and_cache_fp8_triton` cannot take these operands, as the error it raises (its predicate
+    says no to the same calls), or None: slots a 1-D int32 or int64 [N]; k_cache a float8_e4m3fn [blocks,
+    block_size, kv_heads, D] and v_cache of its shape (the kernel walks both by K's kv_heads and D); k and v
+    bf16, fp16 or fp32 [N, kv_heads, D], N < 2^31 (the grid), kv_heads x D, each rounded up to a power of two,
+    at most 2^20 (a token's heads in a program); k_scale, v_scale None or float32 [blocks, block_size,
+    kv_heads], D >= 1 with them; any strides; all on k's device."""
+    if err := slot_dtype_refusal(slots):
+        return err
+    if slots.dim() != 1:
+        return InputError("slots", f"{slots.dtype} {list(slots.shape)}", "a 1-D [N] tensor, one slot a row of k and v",
+                          "pass slots.flatten(), with k and v as [N, kv_heads, D] rows")
+    if err := _cache_refusal("k_cache", k_cache) or _cache_refusal("v_cache", v_cache):
+        return err
+    if k_cache.dim() != 4:
+        return InputError("k_cache", f"{k_cache.dtype} {list(k_cache.shape)}",
+                          "a 4-D [blocks, block_size, kv_heads, D] tensor", "allocate the cache as PagedKVCache does")
+    if v_cache.shape != k_cache.shape:
+        return InputError("v_cache", f"{v_cache.dtype} {list(v_cache.shape)}",
+                          f"k_cache's shape {list(k_cache.shape)} (the kernel walks both by K's kv_heads and D)",
+                          "pass the V cache of this K cache")
+    for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if x.dtype not in _FLOATS:
+            return InputError(name, f"{x.dtype} {list(x.shape)}", "a bf16, fp16 or fp32 tensor",
+                              f"pass {name}.float()")
+        if err := rows_refusal(name, x, cache, slots, exact=True):
+            return err
+    if err := _scale_refusal("k_scale", k_scale, k, k_cache) or _scale_refusal("v_scale", v_scale, v, v_cache):
+        return err
+    for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slots", slots), ("k_scale", k_scale),
+                    ("v_scale", v_scale)):
+        if t is not None and t.device != k.device:
+            return InputError(name, f"on {t.device}", f"on k's device, {k.device} (the kernel reads and writes "
+                              "there)", f"pass {name} on k's device")
+    n, hkv, d = k.shape
+    if n > _MAX_TOKENS or triton.next_power_of_2(hkv) * triton.next_power_of_2(d) > _MAX_BLOCK:
+        return InputError("k", f"[N, kv_heads, D] = {list(k.shape)}",
+                          f"N <= {_MAX_TOKENS} (the grid) and kv_heads x D, each rounded up to a power of two, at "
+                          f"most {_MAX_BLOCK} (a token's heads in a program)",
+                          "call the op (`reshape_and_cache_fp8`) under runtime.backend=auto: it runs the reference "
+                          "for others")
+    return None
+
+
+def _triton_supports(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None) -> bool:
+    tensors = [t for t in (k, v, k_cache, v_cache, slots, k_scale, v_scale) if t is not None]
+    return (triton_can_run(*tensors)
+            and reshape_and_cache_fp8_refusal(k, v, k_cache, v_cache, slots, k_scale, v_scale) is None)
+
+
 def reshape_and_cache_fp8_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slots: torch.Tensor, k_scale: torch.Tensor | None = None,
                                  v_scale: torch.Tensor | None = None) -> None:
     """The Triton provider; same arguments as the reference. In place. A slot out of range, which the
-    reference refuses (a sync), writes nothing here."""
+    reference refuses (a sync), writes nothing here. Operands as `reshape_and_cache_fp8_refusal` says."""
+    if err := reshape_and_cache_fp8_refusal(k, v, k_cache, v_cache, slots, k_scale, v_scale):
+        raise err
+    reshape_and_cache_fp8_launch(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+
+
+def reshape_and_cache_fp8_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 slots: torch.Tensor, k_scale: torch.Tensor | None = None,
+                                 v_scale: torch.Tensor | None = None) -> None:
+    """`reshape_and_cache_fp8_triton` on operands `reshape_and_cache_fp8_refusal` passed (the op's predicate
+    checked them: one check a call)."""
     n, hkv, d = k.shape
-    if n == 0:
+    if k.numel() == 0:      # no rows, or rows of nothing (D = 0 only without scales)
         return
     kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)  # the kernel stores E4M3 codes as bytes
     ks = k_scale if k_scale is not None else kc  # a placeholder pointer when absent
@@ -119,23 +230,8 @@ def reshape_and_cache_fp8_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torc
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, num_warps=4)
 
 
-def _triton_supports(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None) -> bool:
-    tensors = [t for t in (k, v, k_cache, v_cache, slots, k_scale, v_scale) if t is not None]
-    if not triton_can_run(*tensors):
-        return False
-    if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
-        return False
-    if k.dim() != 3 or v.shape != k.shape or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        return False
-    if k.shape[1:] != k_cache.shape[2:] or k.dtype not in _FLOATS or v.dtype not in _FLOATS:
-        return False
-    for s in (k_scale, v_scale):
-        if s is not None and (s.dtype != torch.float32 or s.shape != k_cache.shape[:3]):
-            return False
-    return slots.dim() == 1 and slots.shape[0] == k.shape[0] and slots.dtype in (torch.int32, torch.int64)
-
-
 reshape_and_cache_fp8 = Op("reshape_and_cache_fp8", _reshape_and_cache_fp8_native)
-reshape_and_cache_fp8.register_provider("triton", reshape_and_cache_fp8_triton, _triton_supports)
+reshape_and_cache_fp8.register_provider("triton", reshape_and_cache_fp8_launch, _triton_supports,
+                                        reshape_and_cache_fp8_refusal)
 
-__all__ = ["reshape_and_cache_fp8", "reshape_and_cache_fp8_triton"]
+__all__ = ["reshape_and_cache_fp8", "reshape_and_cache_fp8_refusal", "reshape_and_cache_fp8_triton"]

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import InputError
+from mtpfactory.errors import ConfigError, InputError, MtpfError
 from mtpfactory.kernels.paged_attention import paged_decode_attention, paged_decode_attention_triton
 
 # The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
@@ -265,6 +265,202 @@ def test_block_id_out_of_range_refused_by_the_reference_and_its_tokens_dropped_b
     got = run_triton(q, kg, vg, tables, lens, scale, gate)
     first_block_only = torch.tensor([4, 6], dtype=lens.dtype, device=device)
     torch.testing.assert_close(got, run_native(q, kg, vg, tables, first_block_only, scale, gate), **TOL[torch.bfloat16])
+
+
+# --- operands the kernel cannot take ---------------------------------------------------------------------
+
+NAMES = ("q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "gate", "k_scale", "v_scale")
+
+
+def _ops() -> dict:
+    """B = 2, 4 q heads over 2 KV heads of D = 16, blocks of 4, an FP8 cache with scales, bf16 q and gate:
+    operands the kernel takes, by name."""
+    return dict(zip(NAMES, make_case(2, 4, 2, 16, 4, [5, 9], "fp8_scaled", torch.bfloat16, seed=14)))
+
+
+def _with(**parts):
+    """A case: `_ops()` with the named parts replaced (each a function of the parts), as positional args."""
+    def make():
+        args = _ops()
+        args.update({n: f(args) for n, f in parts.items()})
+        return [args[n] for n in NAMES]
+    return make
+
+
+def _cache(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(15)).to(dtype)
+
+
+def _huge_batch():
+    """B = 2^31 (zeros, stride 0): past the grid without the memory."""
+    b = 2**31
+    return [torch.zeros(1, 2, 16).expand(b, 2, 16), _cache(2, 4, 1, 16), _cache(2, 4, 1, 16),
+            torch.zeros(1, 1, dtype=torch.int32).expand(b, 1), torch.zeros(1, dtype=torch.int32).expand(b), 0.25,
+            None, None, None]
+
+
+def _heads(hq: int, hkv: int, d: int):
+    """One sequence of hq q heads over a cache of hkv KV heads of D = d, one block of one token."""
+    return [torch.randn(1, hq, d), _cache(1, 1, hkv, d), _cache(1, 1, hkv, d), torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), d ** -0.5, None, None, None]
+
+
+# case: a function making the operands, the field refused, what its message says it allows
+BAD = {
+    "q 2-D": (_with(q=lambda a: a["q"][0]), "q", r"a \[B, q_heads, D\] tensor"),
+    "q fp64": (_with(q=lambda a: a["q"].double()), "q", "bf16, fp16 or fp32"),
+    "q heads not a multiple of KV heads": (_with(q=lambda a: a["q"][:, :3]), "q",
+                                           "a multiple of the cache's kv_heads = 2"),
+    "q D past 512": (lambda: _heads(2, 1, 520), "q", "D <= 512"),
+    "q B past the grid": (_huge_batch, "q", "B <= 2147483647"),
+    "k_cache of other D": (_with(k_cache=lambda a: a["k_cache"][..., :8]), "k_cache", "of q's head_dim D = 16"),
+    "k_cache of no KV heads": (_with(k_cache=lambda a: a["k_cache"][:, :, :0]), "k_cache", "kv_heads >= 1"),
+    "k_cache 5-D": (_with(k_cache=lambda a: a["k_cache"][..., None]), "k_cache", r"\[blocks, block_size, kv_heads"),
+    "k_cache fp64": (_with(k_cache=lambda a: a["k_cache"].double()), "k_cache", "bf16, fp16, fp32 or float8_e4m3fn"),
+    "k_cache e5m2": (_with(k_cache=lambda a: a["k_cache"].view(torch.float8_e5m2)), "k_cache", "float8_e4m3fn"),
+    "k_cache KV heads past the grid": (lambda: _heads(65536, 65536, 16), "k_cache", "at most 65535 KV heads"),
+    "k_cache group past a tile": (lambda: _heads(4096, 1, 512), "k_cache", "of at most 1048576 elements"),
+    "v_cache of other block size": (_with(v_cache=lambda a: a["v_cache"].view(-1, 2, 2, 16)), "v_cache",
+                                    r"k_cache's \[4, 2, 16\]"),
+    "v_cache of more blocks": (_with(v_cache=lambda a: torch.cat([a["v_cache"], a["v_cache"]])), "v_cache",
+                               "k_cache's shape and dtype"),
+    "v_cache of other dtype": (_with(v_cache=lambda a: a["v_cache"].float()), "v_cache", "k_cache's shape and dtype"),
+    "gate of other heads": (_with(gate=lambda a: a["gate"][:, :2]), "gate", "q's shape .*, or one that broadcasts"),
+    "gate broadcast": (_with(gate=lambda a: a["gate"][:, :, :1]), "gate", r"of q's shape \[2, 4, 16\]"),
+    "gate fp64": (_with(gate=lambda a: a["gate"].double()), "gate", "bf16, fp16 or fp32"),
+    "k_scale bf16": (_with(k_scale=lambda a: a["k_scale"].bfloat16()), "k_scale", "None or a float32"),
+    "k_scale 2-D": (_with(k_scale=lambda a: a["k_scale"].flatten(1)), "k_scale", r"k_cache's \[4, 2\]"),
+    "v_scale of more blocks": (_with(v_scale=lambda a: torch.cat([a["v_scale"], a["v_scale"]])), "v_scale",
+                               r"float32 \[blocks, block_size, kv_heads\] = \[\d+, 4, 2\]"),
+    "block_tables 1-D": (_with(block_tables=lambda a: a["block_tables"][0]), "block_tables",
+                         r"a \[B, max_blocks\] tensor"),
+    "block_tables of fewer rows": (_with(block_tables=lambda a: a["block_tables"][:1]), "block_tables", "B = 2"),
+    "block_tables of more rows": (_with(block_tables=lambda a: a["block_tables"].repeat(2, 1)), "block_tables",
+                                  r"int32 or int64 \[B, max_blocks\] tensor, B = q's 2"),
+    "block_tables bool": (_with(block_tables=lambda a: a["block_tables"] > 0), "block_tables", "int32 or int64"),
+    "context_lens of fewer rows": (_with(context_lens=lambda a: a["context_lens"][:1]), "context_lens",
+                                   r"a \[B\] tensor"),
+    "context_lens of more rows": (_with(context_lens=lambda a: a["context_lens"].repeat(2)), "context_lens",
+                                  r"int32 or int64 \[B\] tensor, B = q's 2"),
+    "context_lens float": (_with(context_lens=lambda a: a["context_lens"].float()), "context_lens", "int32 or int64"),
+    "k_cache elsewhere": (_with(k_cache=lambda a: a["k_cache"].to("meta")), "k_cache", "on q's device, cpu"),
+    "block_tables elsewhere": (_with(block_tables=lambda a: a["block_tables"].to("meta")), "block_tables",
+                               "on q's device, cpu"),
+    "v_scale elsewhere": (_with(v_scale=lambda a: a["v_scale"].to("meta")), "v_scale", "on q's device, cpu"),
+}
+
+
+def _poisoned_for(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, what to check is still NaN): q's shape in q's dtype (fp32 for a q of no dims' worth), one NaN seen
+    through stride 0 where q is huge."""
+    shape = q.shape if q.dim() == 3 else (2, 4, 16)
+    if q.numel() <= 2**22:
+        out = torch.full(shape, float("nan"), dtype=q.dtype)
+        return out, out
+    one = torch.full((1, 1, 1), float("nan"), dtype=q.dtype)
+    return one.expand(shape), one
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_operands_the_kernel_cannot_take_are_refused_by_the_predicate_the_provider_and_the_backend(case):
+    """One rule (`paged_decode_attention_refusal`): the predicate says no, `paged_decode_attention_triton` called
+    directly raises it naming the operand and writes nothing, and an explicit `runtime.backend=triton` says
+    which operand it refuses."""
+    make, field, allowed = BAD[case]
+    args = make()
+    out, poison = _poisoned_for(args[0])
+    with ops.use_backend("triton"):
+        assert not paged_decode_attention.providers["triton"].supports(*args, out=out)
+        with pytest.raises(MtpfError, match=rf"^{field}=.*{allowed}"):
+            paged_decode_attention_triton(*args, out=out)
+        with pytest.raises(ConfigError, match=rf"op paged_decode_attention has no triton .*it refuses {field}="):
+            paged_decode_attention(*args, out=out)
+    assert poison.isnan().all()
+
+
+# tuning argument: (value, what its message says it allows)
+BAD_TUNING = {
+    "num_splits": [(0, "None .* or 1 to 65535"), (-2, "1 to 65535"), (65536, "1 to 65535"), (2.0, "1 to 65535"),
+                   (True, "1 to 65535")],
+    "block_n": [(8, "a power of two >= 16"), (24, "a power of two >= 16"), (0, "a power of two"),
+                (2**17, "at most 65536 here"), (16.0, "a power of two")],
+    "num_warps": [(3, "one of 1, 2, 4, 8, 16, 32"), (64, "one of"), (0, "one of"), (4.0, "one of")],
+    "fast_dot": [(1, "True or False"), ("yes", "True or False")],
+}
+
+
+@pytest.mark.parametrize("name, value, allowed", [(n, v, a) for n, cases in BAD_TUNING.items() for v, a in cases])
+def test_tuning_arguments_the_kernel_cannot_launch_with_are_refused_by_the_provider(name, value, allowed):
+    """The provider's tuning arguments (which the op does not take) are checked as its operands are: named, before
+    anything is written."""
+    args = [_ops()[n] for n in NAMES]
+    out = torch.full_like(args[0], float("nan"))
+    with ops.use_backend("triton"), pytest.raises(InputError, match=rf"^{name}=.*{allowed}"):
+        paged_decode_attention_triton(*args, out=out, **{name: value})
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize("case", ["q 2-D", "q heads not a multiple of KV heads", "k_cache of other D",
+                                  "k_cache of no KV heads", "k_cache 5-D", "v_cache of other block size",
+                                  "gate of other heads", "k_scale 2-D", "block_tables 1-D",
+                                  "block_tables of fewer rows", "context_lens of fewer rows"])
+@pytest.mark.parametrize("backend", ["native", "auto"])
+def test_shapes_no_provider_can_attend_with_are_refused_by_the_reference(case, backend):
+    """Shapes that do not agree, which the reference met with a raw torch error (einsum, repeat_interleave,
+    reshape, indexing) or read wrongly (a cache of another D reshaped into more tokens), are refused naming the
+    operand, before anything is written."""
+    make, field, _ = BAD[case]
+    args = make()
+    out, poison = _poisoned_for(args[0])
+    with ops.use_backend(backend), pytest.raises(InputError, match=rf"^{field}="):
+        paged_decode_attention(*args, out=out)
+    assert poison.isnan().all()
+
+
+def test_block_ids_are_checked_against_the_cache_of_fewest_blocks():
+    """A V cache (or scale) of fewer blocks than K's: an id past it, which the reference met with a raw
+    IndexError, is refused naming the table's row (the first that uses the last block)."""
+    args = _ops()
+    nb = args["k_cache"].shape[0]
+    args["block_tables"][1, 0] = nb - 1
+    for name in ("v_cache", "v_scale"):
+        short = dict(args, **{name: args[name][: nb - 1]})
+        with pytest.raises(InputError, match=rf"^block_tables\[[01]\]={nb - 1}: .* lie in \[0, {nb - 1}\)"):
+            paged_decode_attention.reference(*[short[n] for n in NAMES])
+
+
+def test_the_reference_takes_what_only_the_kernel_refuses():
+    """fp64 q, gate and cache, D past 512, FP8 E5M2 caches, a V cache of another dtype or more blocks, a gate that
+    broadcasts, bf16 scales or more blocks of them, float context lengths, bool block ids, tables of more rows: the
+    reference attends with them as with their plain form (under `auto` the op falls back to it)."""
+    ref = paged_decode_attention.reference
+    a = _ops()
+    want = ref(*[a[n] for n in NAMES])
+
+    def same(tol=None, **parts):
+        got = ref(*[parts.get(n, a[n]) for n in NAMES])
+        torch.testing.assert_close(got.to(want.dtype), want, **(tol or dict(atol=0, rtol=0)))
+
+    same(gate=a["gate"].double(), tol=TOL[torch.bfloat16])  # the product rounds once, not twice
+    same(v_cache=torch.cat([a["v_cache"], a["v_cache"]]), v_scale=torch.cat([a["v_scale"], a["v_scale"]]))
+    same(block_tables=a["block_tables"].repeat(2, 1), context_lens=a["context_lens"].repeat(2))
+    same(context_lens=a["context_lens"].float())
+    same(q=a["q"].double(), tol=TOL[torch.bfloat16])
+    same(k_scale=a["k_scale"].bfloat16(), tol=TOL[torch.bfloat16])
+    gate = a["gate"][:, :, :1]
+    torch.testing.assert_close(ref(*[dict(a, gate=gate)[n] for n in NAMES]),
+                               ref(*[dict(a, gate=gate.expand_as(a["q"]))[n] for n in NAMES]), atol=0, rtol=0)
+    wide = _heads(2, 1, 520)
+    assert ref(*wide).isfinite().all()
+    e5m2 = [t.to(torch.float8_e5m2) if i in (1, 2) else t for i, t in enumerate(wide)]
+    assert ref(*e5m2).isfinite().all()
+    ones = dict(a, context_lens=torch.ones_like(a["context_lens"]))   # one token a row, in block 1 (ids as 0 / 1)
+    mask = a["block_tables"] > 0
+    assert torch.equal(ref(*[dict(ones, block_tables=mask)[n] for n in NAMES]),
+                       ref(*[dict(ones, block_tables=mask.int())[n] for n in NAMES]))
+    with ops.use_backend("auto"):
+        torch.testing.assert_close(paged_decode_attention(*[dict(a, gate=gate)[n] for n in NAMES]),
+                                   ref(*[dict(a, gate=gate.expand_as(a["q"]))[n] for n in NAMES]), atol=0, rtol=0)
 
 
 # --- GPU: realistic shapes (Qwen3-Next: 16 q / 2 kv heads, head_dim 256, block 16) -------------------------

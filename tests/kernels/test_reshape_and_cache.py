@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import InputError
-from mtpfactory.kernels.reshape_and_cache import reshape_and_cache
+from mtpfactory.errors import ConfigError, InputError, MtpfError
+from mtpfactory.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_triton
 
 # (k / v dtype, cache dtype): same dtype, and the casts that round (fp32 -> bf16 / fp16) or widen.
 CASTS = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.float32),
@@ -110,6 +110,134 @@ def test_slot_out_of_range_refused_by_the_reference_and_written_nowhere_by_the_k
         flat = g[3:6].reshape(12, 8)
         assert torch.equal(flat[[5, 0]], x[[0, 2], 0]) and flat[[i for i in range(12) if i not in (0, 5)]].isnan().all()
         assert g[:3].isnan().all() and g[6:].isnan().all()
+
+
+def _ops():
+    """k [3, 2, 8] fp32, v [3, 1, 4] bf16 (K and V may differ in heads and D), NaN caches of 2 blocks of 4 (K fp32,
+    V bf16), slots [3] int64: operands the kernel takes."""
+    gen = torch.Generator().manual_seed(13)
+    return (torch.randn(3, 2, 8, generator=gen), torch.randn(3, 1, 4, generator=gen).bfloat16(),
+            nan_cache(2, 4, 2, 8, torch.float32), nan_cache(2, 4, 1, 4, torch.bfloat16), torch.tensor([5, 0, 7]))
+
+
+def _huge(n: int, d: int):
+    """k and v [n, 1, d] (zeros, stride 0 but along D), caches of d, slots [n]: past a limit without the memory."""
+    x = torch.zeros(1, 1, d).expand(n, 1, d)
+    return x, x, nan_cache(1, 2, 1, d, torch.float32), nan_cache(1, 2, 1, d, torch.float32), \
+        torch.zeros(1, dtype=torch.int64).expand(n)
+
+
+def _fp8_nan(shape) -> torch.Tensor:
+    return torch.full(shape, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # E4M3 (fn) NaN
+
+
+# case: (k, v, k_cache, v_cache, slots) from `_ops()`, the field refused, what its message says it allows
+BAD = {
+    "slots bool": (lambda k, v, kc, vc, s: (k, v, kc, vc, s > 1), "slots", "int32 or int64 .* as a mask"),
+    "slots uint8": (lambda k, v, kc, vc, s: (k, v, kc, vc, s.to(torch.uint8)), "slots", "int32 or int64"),
+    "slots float": (lambda k, v, kc, vc, s: (k, v, kc, vc, s.float()), "slots", "int32 or int64"),
+    "slots int16": (lambda k, v, kc, vc, s: (k, v, kc, vc, s.short()), "slots", "int32 or int64"),
+    "slots 2-D": (lambda k, v, kc, vc, s: (k, v, kc, vc, s[:, None]), "slots", r"a 1-D \[N\] tensor"),
+    "k_cache FP8": (lambda k, v, kc, vc, s: (k, v, _fp8_nan(kc.shape), vc, s), "k_cache",
+                    r"bf16, fp16 or fp32 \[blocks, block_size, kv_heads, D\]"),
+    "v_cache fp64": (lambda k, v, kc, vc, s: (k, v, kc, vc.double(), s), "v_cache", "bf16, fp16 or fp32"),
+    "k_cache 3-D": (lambda k, v, kc, vc, s: (k, v, kc[:, :, 0], vc, s), "k_cache",
+                    r"\[blocks, block_size, kv_heads, D\]"),
+    "k_cache strided": (lambda k, v, kc, vc, s: (k, v, nan_cache(2, 4, 2, 16, torch.float32)[..., ::2], vc, s),
+                        "k_cache", "a contiguous tensor"),
+    "v_cache of other blocks": (lambda k, v, kc, vc, s: (k, v, kc, vc.view(4, 2, 1, 4), s), "v_cache",
+                                r"k_cache's \[blocks, block_size\] = \[2, 4\]"),
+    "v_cache of fewer slots": (lambda k, v, kc, vc, s: (k, v, kc, vc[:1], s), "v_cache",
+                               r"k_cache's \[blocks, block_size\] = \[2, 4\]"),
+    "k of other heads": (lambda k, v, kc, vc, s: (torch.randn(3, 3, 8), v, kc, vc, s), "k",
+                         r"\[N, kv_heads, D\] = \[3, 2, 8\]"),
+    "k of other D": (lambda k, v, kc, vc, s: (k[..., :4], v, kc, vc, s), "k", r"\[N, kv_heads, D\] = \[3, 2, 8\]"),
+    "k 2-D": (lambda k, v, kc, vc, s: (k.view(3, 16), v, kc, vc, s), "k", r"\[N, kv_heads, D\] = \[3, 2, 8\]"),
+    "v of fewer rows": (lambda k, v, kc, vc, s: (k, v[:2], kc, vc, s), "v", r"\[N, kv_heads, D\] = \[3, 1, 4\]"),
+    "k one row for every slot": (lambda k, v, kc, vc, s: (k[:1], v, kc, vc, s), "k", r"= \[3, 2, 8\]"),
+    "k int": (lambda k, v, kc, vc, s: (k.int(), v, kc, vc, s), "k", "bf16, fp16 or fp32"),
+    "v fp64": (lambda k, v, kc, vc, s: (k, v.double(), kc, vc, s), "v", "bf16, fp16 or fp32"),
+    "k strided along D": (lambda k, v, kc, vc, s: (torch.cat([k, k], -1)[..., ::2], v, kc, vc, s), "k",
+                          "unit stride along D"),
+    "v elsewhere": (lambda k, v, kc, vc, s: (k, v.to("meta"), kc, vc, s), "v", "on k's device, cpu"),
+    "v_cache elsewhere": (lambda k, v, kc, vc, s: (k, v, kc, vc.to("meta"), s), "v_cache", "on k's device, cpu"),
+    "slots elsewhere": (lambda k, v, kc, vc, s: (k, v, kc, vc, s.to("meta")), "slots", "on k's device, cpu"),
+    "k N past the grid": (lambda *a: _huge(2**31, 1), "k", "N <= 2147483647"),
+    "k D past a tile": (lambda *a: _huge(1, 2**20 + 1), "k", "D <= 1048576"),
+}
+
+
+def _untouched(t: torch.Tensor) -> bool:
+    """t still holds its NaN poison (FP8: the NaN code)."""
+    if t.device.type == "meta":
+        return True
+    if t.dtype == torch.float8_e4m3fn:
+        return bool((t.view(torch.uint8) == 0x7F).all())
+    return bool(t.isnan().all())
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_operands_the_kernel_cannot_take_are_refused_by_the_predicate_the_provider_and_the_backend(case):
+    """One rule (`reshape_and_cache_refusal`): the predicate says no, `reshape_and_cache_triton` called directly
+    raises it naming the operand and writes nothing, and an explicit `runtime.backend=triton` says which operand
+    it refuses."""
+    make, field, allowed = BAD[case]
+    args = make(*_ops())
+    with ops.use_backend("triton"):
+        assert not reshape_and_cache.providers["triton"].supports(*args)
+        with pytest.raises(MtpfError, match=rf"^{field}=.*{allowed}"):
+            reshape_and_cache_triton(*args)
+        with pytest.raises(ConfigError, match=rf"op reshape_and_cache has no triton provider .*it refuses {field}="):
+            reshape_and_cache(*args)
+    assert _untouched(args[2]) and _untouched(args[3])
+
+
+@pytest.mark.parametrize("case", ["slots bool", "slots uint8", "slots float", "slots int16", "v_cache of fewer slots",
+                                  "k of other heads", "k of other D", "k 2-D", "v of fewer rows"])
+@pytest.mark.parametrize("backend", ["native", "auto"])
+def test_slots_and_shapes_no_provider_can_write_are_refused_by_the_reference(case, backend):
+    """Slots torch would read as a mask or cannot index by, a V cache of fewer slots and rows that do not fit the
+    cache, which the reference met with a raw torch error (IndexError, RuntimeError) or a mask, are refused
+    naming the operand, before anything is written."""
+    make, field, _ = BAD[case]
+    args = make(*_ops())
+    with ops.use_backend(backend), pytest.raises(InputError, match=rf"^{field}="):
+        reshape_and_cache(*args)
+    assert _untouched(args[2]) and _untouched(args[3])
+
+
+def test_the_reference_takes_what_only_the_kernel_refuses():
+    """An FP8 or fp64 cache, a strided cache, a V cache of other blocks but as many slots, one row broadcast to
+    every slot, int k, k strided along D, one 0-D slot: the reference writes them as torch's indexed assignment
+    does (under `auto` the op falls back to it)."""
+    k, v, kc, vc, slots = _ops()
+    ref = reshape_and_cache.reference
+
+    def want(x, cache, s):
+        w = cache.clone()
+        w.view(-1, *cache.shape[2:])[s] = x.to(cache.dtype)
+        return w
+
+    def check(k, v, kc, vc, s=slots):   # contiguous caches: compared as bytes, NaN poison included
+        wk, wv = want(k, kc, s), want(v, vc, s)
+        ref(k, v, kc, vc, s)
+        assert torch.equal(kc.view(torch.uint8), wk.view(torch.uint8))
+        assert torch.equal(vc.view(torch.uint8), wv.view(torch.uint8))
+
+    check(k, v, _fp8_nan(kc.shape), vc.clone())
+    check(k, v, kc.double(), vc.clone())
+    strided = nan_cache(2, 4, 2, 16, torch.float32)[..., ::2]
+    ref(k, v, strided, vc.clone(), slots)
+    assert torch.equal(strided.reshape(8, 2, 8)[slots], k)
+    check(k, v, kc.clone(), vc.clone().view(4, 2, 1, 4))
+    check(k[:1], v, kc.clone(), vc.clone())
+    check(k.int(), v, kc.clone(), vc.clone())
+    check(torch.cat([k, k], -1)[..., ::2], v, kc.clone(), vc.clone())
+    check(k[0], v[0], kc.clone(), vc.clone(), slots[0])
+    with ops.use_backend("auto"):
+        kc2 = kc.double()
+        reshape_and_cache(k[:1], v, kc2, vc.clone(), slots)
+        assert torch.equal(kc2.view(8, 2, 8)[slots], k[:1].double().expand(3, 2, 8))
 
 
 @pytest.mark.gpu

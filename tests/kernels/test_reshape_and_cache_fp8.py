@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError, InputError
-from mtpfactory.kernels.reshape_and_cache_fp8 import reshape_and_cache_fp8
+from mtpfactory.errors import ConfigError, InputError, MtpfError
+from mtpfactory.kernels.reshape_and_cache_fp8 import reshape_and_cache_fp8, reshape_and_cache_fp8_triton
 
 FP8 = torch.float8_e4m3fn
 NAN_CODE = 0x7F  # E4M3 (fn) NaN: the poison every unwritten byte must keep
@@ -192,6 +192,152 @@ def test_triton_refuses_slots_that_torch_would_read_as_a_mask(dtype):
     k = torch.randn(2, 1, 16)
     with ops.use_backend("triton"), pytest.raises(ConfigError, match="reshape_and_cache_fp8"):
         reshape_and_cache_fp8(k, k, _fp8_cache(2, 2, 1, 16), _fp8_cache(2, 2, 1, 16), torch.ones(2, dtype=dtype))
+
+
+# --- operands the kernel cannot take ---------------------------------------------------------------------
+
+def _ops():
+    """k, v [3, 2, 16] fp32, NaN caches [2 blocks, 4, 2, 16] and scales, slots [3] int64: operands the kernel
+    takes (as a list, for the cases to replace one)."""
+    gen = torch.Generator().manual_seed(21)
+    return [torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen), _fp8_cache(2, 4, 2, 16),
+            _fp8_cache(2, 4, 2, 16), torch.tensor([5, 0, 7]), _scale_cache(2, 4, 2), _scale_cache(2, 4, 2)]
+
+
+def _with(**parts):
+    """A case: `_ops()` with the named parts replaced (each a function of the parts)."""
+    names = ("k", "v", "k_cache", "v_cache", "slots", "k_scale", "v_scale")
+
+    def make():
+        args = dict(zip(names, _ops()))
+        args.update({n: f(args) for n, f in parts.items()})
+        return [args[n] for n in names]
+    return make
+
+
+def _huge(n: int, h: int, d: int):
+    """k, v [n, h, d] (zeros, stride 0), caches and scales of h, d, slots [n]: past a limit without the memory."""
+    x = torch.zeros(1, 1, 1).expand(n, h, d)
+    return [x, x, _fp8_cache(1, 2, h, d), _fp8_cache(1, 2, h, d), torch.zeros(1, dtype=torch.int64).expand(n),
+            None, None]
+
+
+def _empty_rows(scaled: bool):
+    """Rows of D = 0 (caches of D = 0), with or without scales."""
+    k = torch.zeros(3, 2, 0)
+    return [k, k, _fp8_cache(2, 4, 2, 0), _fp8_cache(2, 4, 2, 0), torch.tensor([5, 0, 7]),
+            _scale_cache(2, 4, 2) if scaled else None, None]
+
+
+# case: a function making the operands, the field refused, what its message says it allows
+BAD = {
+    "slots bool": (_with(slots=lambda a: a["slots"] > 1), "slots", "int32 or int64 .* as a mask"),
+    "slots uint8": (_with(slots=lambda a: a["slots"].to(torch.uint8)), "slots", "int32 or int64"),
+    "slots float": (_with(slots=lambda a: a["slots"].float()), "slots", "int32 or int64"),
+    "slots 2-D": (_with(slots=lambda a: a["slots"][:, None]), "slots", r"a 1-D \[N\] tensor"),
+    "k_cache bf16": (_with(k_cache=lambda a: torch.full((2, 4, 2, 16), float("nan"), dtype=torch.bfloat16)),
+                     "k_cache", r"a float8_e4m3fn \[blocks, block_size, kv_heads, D\]"),
+    "v_cache e5m2": (_with(v_cache=lambda a: a["v_cache"].view(torch.uint8).view(torch.float8_e5m2)), "v_cache",
+                     "a float8_e4m3fn"),
+    "k_cache 3-D": (_with(k_cache=lambda a: a["k_cache"].view(2, 4, 32)), "k_cache", r"a 4-D \[blocks"),
+    "v_cache of other blocks": (_with(v_cache=lambda a: a["v_cache"].view(4, 2, 2, 16)), "v_cache",
+                                r"k_cache's shape \[2, 4, 2, 16\]"),
+    "v_cache of other D": (_with(v=lambda a: a["v"][..., :8], v_cache=lambda a: _fp8_cache(2, 4, 2, 8)), "v_cache",
+                           r"k_cache's shape \[2, 4, 2, 16\]"),
+    "k of other D": (_with(k=lambda a: a["k"][..., :8]), "k", r"\[N, kv_heads, D\] = \[3, 2, 16\]"),
+    "k of one head for two": (_with(k=lambda a: a["k"][:, :1]), "k", r"\[N, kv_heads, D\] = \[3, 2, 16\]"),
+    "v of fewer rows": (_with(v=lambda a: a["v"][:2]), "v", r"\[N, kv_heads, D\] = \[3, 2, 16\]"),
+    "k int": (_with(k=lambda a: a["k"].int()), "k", "bf16, fp16 or fp32"),
+    "v fp64": (_with(v=lambda a: a["v"].double()), "v", "bf16, fp16 or fp32"),
+    "k_scale bf16": (_with(k_scale=lambda a: a["k_scale"].bfloat16()), "k_scale",
+                     r"None or a float32 \[blocks, block_size, kv_heads\] = \[2, 4, 2\]"),
+    "v_scale 2-D": (_with(v_scale=lambda a: a["v_scale"].view(2, 8)), "v_scale", r"= \[2, 4, 2\]"),
+    "k_scale of one head": (_with(k_scale=lambda a: a["k_scale"][..., :1]), "k_scale", r"= \[2, 4, 2\]"),
+    "k_scale of more blocks": (_with(k_scale=lambda a: _scale_cache(3, 4, 2)), "k_scale", r"= \[2, 4, 2\]"),
+    "k of D = 0 with scales": (lambda: _empty_rows(True), "k", "rows of D >= 1 with k_scale"),
+    "v elsewhere": (_with(v=lambda a: a["v"].to("meta")), "v", "on k's device, cpu"),
+    "k_cache elsewhere": (_with(k_cache=lambda a: a["k_cache"].to("meta")), "k_cache", "on k's device, cpu"),
+    "v_scale elsewhere": (_with(v_scale=lambda a: a["v_scale"].to("meta")), "v_scale", "on k's device, cpu"),
+    "k N past the grid": (lambda: _huge(2**31, 1, 1), "k", "N <= 2147483647"),
+    "k heads x D past a tile": (lambda: _huge(1, 2, 2**19 + 1), "k", "at most 1048576"),
+}
+
+
+def _untouched(t: torch.Tensor | None) -> bool:
+    """t still holds its NaN poison (an FP8 cache: the NaN code 0x7F), or is None or on the meta device."""
+    if t is None or t.device.type == "meta":
+        return True
+    if t.element_size() == 1:
+        return bool((t.view(torch.uint8) == NAN_CODE).all())
+    return bool(t.isnan().all())
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_operands_the_kernel_cannot_take_are_refused_by_the_predicate_the_provider_and_the_backend(case):
+    """One rule (`reshape_and_cache_fp8_refusal`): the predicate says no, `reshape_and_cache_fp8_triton` called
+    directly raises it naming the operand and writes nothing (caches, scales), and an explicit
+    `runtime.backend=triton` says which operand it refuses."""
+    make, field, allowed = BAD[case]
+    args = make()
+    with ops.use_backend("triton"):
+        assert not reshape_and_cache_fp8.providers["triton"].supports(*args)
+        with pytest.raises(MtpfError, match=rf"^{field}=.*{allowed}"):
+            reshape_and_cache_fp8_triton(*args)
+        with pytest.raises(ConfigError, match=rf"op reshape_and_cache_fp8 has no triton .*it refuses {field}="):
+            reshape_and_cache_fp8(*args)
+    assert all(_untouched(t) for t in args[2:4] + args[5:])
+
+
+@pytest.mark.parametrize("case", ["slots bool", "slots uint8", "slots float", "k_cache bf16", "v_cache e5m2",
+                                  "k of other D", "v of fewer rows", "k_scale bf16", "v_scale 2-D",
+                                  "k_scale of one head", "k_scale of more blocks", "k of D = 0 with scales"])
+@pytest.mark.parametrize("backend", ["native", "auto"])
+def test_slots_caches_and_shapes_no_provider_can_write_are_refused_by_the_reference(case, backend):
+    """Slots torch would read as a mask or cannot index by, caches and scales of another dtype or shape and rows
+    that do not fit the cache, which the reference met with a raw torch error (IndexError, RuntimeError) or a
+    mask, are refused naming the operand, before anything is written."""
+    make, field, _ = BAD[case]
+    args = make()
+    with ops.use_backend(backend), pytest.raises(InputError, match=rf"^{field}="):
+        reshape_and_cache_fp8(*args)
+    assert all(_untouched(t) for t in args[2:4] + args[5:])
+
+
+def test_a_v_cache_of_fewer_slots_is_refused_by_the_reference_naming_the_slot():
+    """Each cache is indexed by its own slots: a slot that K's cache holds and V's does not is refused (the
+    reference met it with a raw IndexError), before anything is written."""
+    k, v, kc, vc, slots, ks, vs = _ops()
+    vc, vs = vc[:1], vs[:1]
+    with pytest.raises(InputError, match=r"^slots=7: cache slots of these 1 blocks of 4 lie in \[-4, 4\)"):
+        reshape_and_cache_fp8.reference(k, v, kc, vc, slots, ks, vs)
+    assert all(_untouched(t) for t in (kc, vc, ks, vs))
+
+
+def test_the_reference_takes_what_only_the_kernel_refuses():
+    """Caches of other shapes each fit by its rows (a V cache of other blocks, or of another D), one K head
+    broadcast to both, int or fp64 rows, rows of D = 0 without scales: the reference writes them as it writes
+    their plain form (under `auto` the op falls back to it)."""
+    k, v, _, _, slots, _, _ = _ops()
+
+    def written(k, v, v_shape=(2, 4, 2, 16), scaled=True):
+        """(K cache, V cache, K scales) bytes after the reference, V unscaled."""
+        kc, vc, ks = _fp8_cache(2, 4, 2, 16), _fp8_cache(*v_shape), _scale_cache(2, 4, 2) if scaled else None
+        reshape_and_cache_fp8.reference(k, v, kc, vc, slots, ks)
+        return kc.view(torch.uint8), vc.view(torch.uint8).reshape(8, 2, -1), ks
+
+    _assert_same(written(k, v, (4, 2, 2, 16)), written(k, v))
+    kc, vc, ks = written(k, v)
+    _assert_same(written(k, v[..., :8], (2, 4, 2, 8)), (kc, vc[..., :8].contiguous(), ks))
+    _assert_same(written(k[:, :1], v), written(k[:, :1].expand(3, 2, 16), v))
+    _assert_same(written(k.double(), v), written(k, v))
+    ints = (10 * k).round().int()
+    _assert_same(written(ints, v, scaled=False), written(ints.float(), v, scaled=False))
+    kc, vc = _fp8_cache(2, 4, 2, 0), _fp8_cache(2, 4, 2, 0)
+    reshape_and_cache_fp8.reference(k[..., :0], v[..., :0], kc, vc, slots)
+    with ops.use_backend("auto"):
+        kc, vc = _fp8_cache(2, 4, 2, 16), _fp8_cache(2, 4, 2, 16)
+        reshape_and_cache_fp8(k[:, :1], v, kc, vc, slots)
+        _assert_same((kc.view(torch.uint8),), written(k[:, :1].expand(3, 2, 16), v, scaled=False)[:1])
 
 
 # --- GPU: realistic shapes, the hardware cast in torch's reference against the kernel's integer rounding
