@@ -121,6 +121,18 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # FP8 caches: reshape_and_cache_fp8
+
+
+def kv_rows_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slots: torch.Tensor) -> InputError | None:
+    """Why k and v are not float rows [N, kv_heads, D] of their caches, one a slot (both cache writes' rule)."""
+    for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if x.dtype not in _FLOATS:
+            return InputError(name, f"{x.dtype} {list(x.shape)}", "a bf16, fp16 or fp32 tensor",
+                              f"pass {name}.float()")
+        if err := rows_refusal(name, x, cache, slots, exact=True):
+            return err
+    return None
 _MAX_BLOCK = tl.TRITON_MAX_TENSOR_NUMEL    # the most elements of one tile
 _MAX_TOKENS = 2**31 - 1                    # grid axis 0 (tokens)
 _MAX_HEAD_PROGRAMS = 65535                 # grid axis 1 (blocks of heads)
@@ -162,12 +174,9 @@ def reshape_and_cache_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
         return InputError("v_cache", f"{v_cache.dtype} {list(v_cache.shape)}",
                           f"k_cache's [blocks, block_size] = {list(k_cache.shape[:2])}: a slot names a row of both",
                           "pass the V cache of this K cache")
-    for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        if x.dtype not in _FLOATS:
-            return InputError(name, f"{x.dtype} {list(x.shape)}", "a bf16, fp16 or fp32 tensor",
-                              f"pass {name}.float()")
-        if err := rows_refusal(name, x, cache, slots, exact=True):
-            return err
+    if err := kv_rows_refusal(k, v, k_cache, v_cache, slots):
+        return err
+    for name, x in (("k", k), ("v", v)):
         if x.shape[2] > 1 and x.stride(2) != 1:
             return InputError(name, f"strides {x.stride()} of {list(x.shape)}",
                               "unit stride along D (the kernel reads a head's row in a row; tokens and heads at any "

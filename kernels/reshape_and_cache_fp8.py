@@ -19,13 +19,12 @@ import triton.language as tl
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
-from mtpfactory.kernels.reshape_and_cache import (cache_dims_refusal, check_slots, rows_refusal,
+from mtpfactory.kernels.reshape_and_cache import (cache_dims_refusal, check_slots, kv_rows_refusal, rows_refusal,
                                                   slot_dtype_refusal)
 from mtpfactory.ops import Op, triton_can_run
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, to_e4m3
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # 448, readable inside @triton.jit
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _FP8 = torch.float8_e4m3fn
 
 
@@ -171,12 +170,8 @@ def reshape_and_cache_fp8_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: tor
         return InputError("v_cache", f"{v_cache.dtype} {list(v_cache.shape)}",
                           f"k_cache's shape {list(k_cache.shape)} (the kernel walks both by K's kv_heads and D)",
                           "pass the V cache of this K cache")
-    for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        if x.dtype not in _FLOATS:
-            return InputError(name, f"{x.dtype} {list(x.shape)}", "a bf16, fp16 or fp32 tensor",
-                              f"pass {name}.float()")
-        if err := rows_refusal(name, x, cache, slots, exact=True):
-            return err
+    if err := kv_rows_refusal(k, v, k_cache, v_cache, slots):
+        return err
     if err := _scale_refusal("k_scale", k_scale, k, k_cache) or _scale_refusal("v_scale", v_scale, v, v_cache):
         return err
     for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slots", slots), ("k_scale", k_scale),
