@@ -113,11 +113,14 @@ def _quantize_store(x_ptr, c_ptr, s_ptr, row, blk, off, s_xn, s_xh, s_xd, s_cb, 
         s = tl.where(s == 0.0, 1.0, s)
         x = tl.math.div_rn(x, s[:, None])
         tl.store(s_ptr + blk * s_sb + off * s_st + h * s_sh, s, mask=h_mask)
-    # Clamp by compare and select: a NaN fails both compares and passes through with its sign, as in torch's
-    # clamp (tl.minimum / tl.maximum drop NaN on the GPU, and with PropagateNan.ALL give the canonical NaN).
+    # Clamp by compare and select, so that a NaN fails both compares and stays NaN, as in torch's clamp. The
+    # sign is taken before it: on the H200 the compiler turns the selects into min/max, which give the
+    # canonical (positive) NaN, where torch keeps a -NaN's sign (code 0xFF).
+    neg = x.to(tl.int32, bitcast=True) < 0
     x = tl.where(x > _FP8_MAX, _FP8_MAX, tl.where(x < -_FP8_MAX, -_FP8_MAX, x))
+    code = (e4m3_rne_bits(x) & 0x7F) | tl.where(neg, 0x80, 0)
     dst = c_ptr + blk * s_cb + off * s_ct + h[:, None] * s_ch + d[None, :] * s_cd
-    tl.store(dst, e4m3_rne_bits(x).to(tl.uint8), mask=mask)
+    tl.store(dst, code.to(tl.uint8), mask=mask)
 
 
 @triton.jit
