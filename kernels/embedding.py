@@ -50,7 +50,8 @@ def _embedding_kernel(ids_ptr, table_ptr, out_ptr, V, H, stride_v, stride_on, st
     row = tl.load(ids_ptr + n).to(tl.int64)
     row_ok = (row >= 0) & (row < V)
     bits = tl.load(table_ptr + row * stride_v + cols, mask=mask & row_ok, other=0)
-    tl.store(out_ptr + n * stride_on + cols * stride_oh, bits, mask=mask)
+    # out's column offsets in int64: out= may be a transposed view where they pass 2^31
+    tl.store(out_ptr + n * stride_on + cols.to(tl.int64) * stride_oh, bits, mask=mask)
 
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

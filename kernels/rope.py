@@ -73,6 +73,8 @@ def _rope_neox_kernel(x_ptr, pos_ptr, inv_freq_ptr, y_ptr, heads, D, half, strid
     dtype = y_ptr.dtype.element_ty
     h = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)  # [BH]
     i = tl.arange(0, BLOCK_HALF)  # [BHALF]
+    d1 = i.to(tl.int64) * stride_yd  # out's offsets along D in int64: out= may be a view where they pass 2^31
+    d2 = (half + i).to(tl.int64) * stride_yd
     hm, im = h < heads, i < half
     angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=im, other=0.0).to(tl.float32)
     if LIBDEVICE_TRIG:  # the GPU: __nv_cosf / __nv_sinf, which torch's CUDA cos / sin call too
@@ -89,14 +91,14 @@ def _rope_neox_kernel(x_ptr, pos_ptr, inv_freq_ptr, y_ptr, heads, D, half, strid
     x2 = tl.load(src + half + i[None, :], mask=m, other=0.0).to(tl.float32)
     a1 = cast_rne(x1 * c, dtype).to(tl.float32)
     b1 = cast_rne(-x2 * s, dtype).to(tl.float32)
-    tl.store(dst + i[None, :] * stride_yd, cast_rne(a1 + b1, dtype), mask=m)
+    tl.store(dst + d1[None, :], cast_rne(a1 + b1, dtype), mask=m)
     a2 = cast_rne(x2 * c, dtype).to(tl.float32)
     b2 = cast_rne(x1 * s, dtype).to(tl.float32)
-    tl.store(dst + (half + i[None, :]) * stride_yd, cast_rne(a2 + b2, dtype), mask=m)
+    tl.store(dst + d2[None, :], cast_rne(a2 + b2, dtype), mask=m)
 
     j = 2 * half + tl.arange(0, BLOCK_REST)  # the pass-through dims
     mr = hm[:, None] & (j < D)[None, :]
-    tl.store(dst + j[None, :] * stride_yd, tl.load(src + j[None, :], mask=mr, other=0.0), mask=mr)
+    tl.store(dst + j[None, :].to(tl.int64) * stride_yd, tl.load(src + j[None, :], mask=mr, other=0.0), mask=mr)
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)

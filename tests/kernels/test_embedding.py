@@ -179,3 +179,21 @@ def test_gpu_matches_reference(dtype, N, H):
     table = torch.randn(151_936, H, device="cuda", generator=gen).to(dtype)
     ids = torch.randint(0, table.shape[0], (N,), device="cuda", generator=gen)
     assert bits_equal(run(ids, table), embedding.reference(ids, table))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_out_offsets_past_int32():
+    """out= a transposed view [N, H] of [H, N] with N * H > 2^31 elements: the kernel's column offsets (col * N)
+    pass int32's range, so they must be computed in int64 (they wrapped before: writes landed out of bounds)."""
+    H, N = 2**15 + 3, 2**16 + 1
+    assert (H - 1) * N >= 2**31
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    table = torch.randint(-100, 100, (4, H), device="cuda", dtype=torch.int8, generator=gen)
+    ids = torch.randint(0, 4, (N,), device="cuda", generator=gen)
+    ids[-1] = 3
+    out = torch.full((H, N), 127, dtype=torch.int8, device="cuda").t()   # 127: a poison the table never holds
+    with ops.use_backend("triton"):
+        got = embedding(ids, table, out=out)
+    assert got is out
+    assert torch.equal(out, table[ids])

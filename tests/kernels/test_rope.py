@@ -201,3 +201,22 @@ def test_gpu_matches_reference(dtype, N, heads, D, rd, theta):
     with ops.use_backend("triton"):
         y = rope_neox(x, positions, inv_freq, out=torch.full_like(x, float("nan")))
     assert_matches(y, rope_neox.reference(x, positions, inv_freq), x, rd)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_out_offsets_past_int32():
+    """out= a view of [D, N, heads] as [N, heads, D], with (D - 1) * N * heads > 2^31: the kernel's offsets along D
+    (d * N * heads) pass int32's range, so they must be computed in int64 (they wrapped before). Partial rotation,
+    so the pass-through dims' stores are covered too."""
+    N, heads, D, rd = 2**19, 66, 64, 32
+    assert (D - 1) * N * heads >= 2**31
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(N, heads, D, device="cuda", generator=gen).to(torch.bfloat16)
+    positions = torch.randint(0, 131_072, (N,), device="cuda", generator=gen)
+    inv_freq = rope_inv_freq(rd, 1e6).cuda()
+    out = torch.full((D, N, heads), float("nan"), dtype=torch.bfloat16, device="cuda").permute(1, 2, 0)
+    with ops.use_backend("triton"):
+        y = rope_neox(x, positions, inv_freq, out=out)
+    assert y is out
+    assert_matches(y, rope_neox.reference(x, positions, inv_freq), x, rd)
