@@ -5,8 +5,9 @@
 #   device: run(command="bash scripts/device_run.sh", carry=[".whl"])
 # GPU_TESTS=0 or BENCH=0 skips a part; GPU_TEST_ARGS picks tests (default: all of tests/; GPU_TEST_S, 420 s, bounds
 # them: 483 took over 280 s on 2026-12-04); BENCH_ARGS passes options to scripts/bench_kernels.py (BENCH_S, 420 s);
-# TUNE_ARGS, when set, runs scripts/tune_gemv.py with them first (TUNE_S, 420 s); SWEEP_ARGS, when set, runs
-# scripts/sweep_wgmma.py with them after the benchmark (SWEEP_S, 300 s); CLOCK_ARGS, when set, runs
+# TUNE_ARGS, when set, runs scripts/tune_gemv.py with them first (TUNE_S, 420 s); OPS_ARGS, when set, runs
+# scripts/bench_ops.py with them after the kernel benchmark (OPS_S, 240 s; OPS_ARGS=--rounds=3 times every op);
+# SWEEP_ARGS, when set, runs scripts/sweep_wgmma.py with them after those (SWEEP_S, 300 s); CLOCK_ARGS, when set, runs
 # scripts/clock_watch.py with them last (CLOCK_S, 240 s; its nvidia-smi log goes to $OUT/clocks.csv).
 # A device call ends at 600 s, the install included, so no stage runs past CALL_S (570 s) from the script's start:
 # a stage gets the lesser of its own limit and what is left. The defaults (the whole GPU suite, then every shape's
@@ -36,6 +37,7 @@ limits=0   # the enabled stages' limits together
 [[ "${GPU_TESTS:-1}" == 1 ]] && limits=$((limits + ${GPU_TEST_S:-420}))
 [[ -n "${TUNE_ARGS:-}" ]] && limits=$((limits + ${TUNE_S:-420}))
 [[ "${BENCH:-1}" == 1 ]] && limits=$((limits + ${BENCH_S:-420}))
+[[ -n "${OPS_ARGS:-}" ]] && limits=$((limits + ${OPS_S:-240}))
 [[ -n "${SWEEP_ARGS:-}" ]] && limits=$((limits + ${SWEEP_S:-300}))
 [[ -n "${CLOCK_ARGS:-}" ]] && limits=$((limits + ${CLOCK_S:-240}))
 if (( limits + SECONDS > CALL_S )); then
@@ -87,6 +89,9 @@ fi
 if [[ "${BENCH:-1}" == 1 ]]; then
   stage bench_kernels "${BENCH_S:-420}" "$OUT/bench.log" \
     python3 -P scripts/bench_kernels.py --json "$OUT/gemv.json" ${BENCH_ARGS:-}
+fi
+if [[ -n "${OPS_ARGS:-}" ]]; then
+  stage bench_ops "${OPS_S:-240}" "$OUT/ops.log" python3 -P scripts/bench_ops.py --json "$OUT/ops.json" $OPS_ARGS
 fi
 if [[ -n "${SWEEP_ARGS:-}" ]]; then
   stage sweep_wgmma "${SWEEP_S:-300}" "$OUT/sweep.log" python3 -P scripts/sweep_wgmma.py $SWEEP_ARGS
