@@ -698,6 +698,31 @@ def _scale_operand(sb, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def decoded_tile(wv, sb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """A K tile's words [BN, BK/8] (int32) and scale bytes [BN, BK/16] -> [BN, BK], each element E2M1 * scale *
+    2^-8 (`_e2m1x8_scaled`: exact in bf16 and fp16), K permuted within each word: position f of a word holds
+    its element f // 2 + 4 (f % 2). `permuted_x` puts x in the same order."""
+    W: tl.constexpr = BLOCK_K // 8
+    NB: tl.constexpr = BLOCK_K // 16
+    scale = _scale_operand(sb, USE_ASM)                                                  # [BN, NB]
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, NB, 2]), [BLOCK_N, W])   # per word
+    e0, e4, e1, e5, e2, e6, e3, e7 = _e2m1x8_scaled(wv, scale, USE_ASM)                     # [BN, W] each
+    # tl.join stacks on a new last axis: flattened position f of a word holds the f-th output of the decode,
+    # element f // 2 + 4 (f % 2), and each output pair stays one 32-bit register into shared memory
+    t = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(e4, e6), tl.join(e5, e7)))
+    return tl.reshape(t, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def permuted_x(xv, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x's K tile [BM, BK] in `decoded_tile`'s order, as fp32 (Triton 3.6 fails to compile the permute of a
+    bf16 tile that feeds the dot directly). Repacking the permuted pairs costs about one PRMT per x element a
+    program (sass_stats, 64 x 256 tile: 40 at 16 rows of x, 76 at 32), less than shuffling the decoded tile."""
+    return tl.reshape(tl.permute(tl.reshape(xv.to(tl.float32), [BLOCK_M, BLOCK_K // 8, 2, 4]), (0, 1, 3, 2)),
+                      [BLOCK_M, BLOCK_K])
+
+
+@triton.jit
 def _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, kk, K, stride_xk,
                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASK_N: tl.constexpr):
     """One K step of the tensor-core kernels from element kk on: the words [BN, BK/8], scale bytes [BN, BK/16]
@@ -739,8 +764,6 @@ def _gemm_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, 
     (a permutation of registers), so the dot needs no shuffle of the decoded tile. The loads run AHEAD
     (1 or 2) K steps before the decode that uses them (Triton's pipeliner does not take loads that feed
     arithmetic before the dot); EVEN_K: every K step lies inside K (no K masks)."""
-    W: tl.constexpr = BLOCK_K // 8                                   # words of a K tile
-    NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
@@ -764,19 +787,8 @@ def _gemm_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, M, N, K, 
         kk = k_start + tl.minimum(k0 + AHEAD * BLOCK_K, k_last)
         wv_a, sb_a, xv_a = _load_step(w_rows, s_rows, x_rows, mask_n, mask_m, kk, K, stride_xk, BLOCK_K, EVEN_K,
                                       True)
-        scale = _scale_operand(sb, USE_ASM)                          # [BN, NB]
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, NB, 2]), [BLOCK_N, W])   # per word
-        e0, e4, e1, e5, e2, e6, e3, e7 = _e2m1x8_scaled(wv, scale, USE_ASM)                     # [BN, W] each
-        # tl.join stacks on a new last axis: flattened position f of a word holds the f-th output of the decode,
-        # element f // 2 + 4 (f % 2), and each output pair stays one 32-bit register into shared memory
-        t = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(e4, e6), tl.join(e5, e7)))
-        w = tl.reshape(t, [BLOCK_N, BLOCK_K])                        # [BN, BK], K permuted within each word
-        # x in the same order (permuted as fp32: Triton 3.6 fails to compile the permute of a bf16 tile that
-        # feeds the dot directly). Repacking the permuted pairs costs about one PRMT per x element a program
-        # (sass_stats, 64 x 256 tile: 40 at 16 rows of x, 76 at 32), less than shuffling the decoded tile
-        x = tl.reshape(tl.permute(tl.reshape(xv.to(tl.float32), [BLOCK_M, W, 2, 4]), (0, 1, 3, 2)),
-                       [BLOCK_M, BLOCK_K])
-        acc = dot_acc(x, w, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
+        w = decoded_tile(wv, sb, BLOCK_N, BLOCK_K, USE_ASM)          # [BN, BK], K permuted within each word
+        acc = dot_acc(permuted_x(xv, BLOCK_M, BLOCK_K), w, acc, x_ptr.dtype.element_ty, LOWP_DOT, SWAP_AB)
         if AHEAD == 2:
             wv, sb, xv = wv2, sb2, xv2
             wv2, sb2, xv2 = wv_a, sb_a, xv_a
