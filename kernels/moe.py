@@ -23,10 +23,14 @@ Triton providers (DESIGN 4):
   Expert ids outside [0, E) are invalid (the reference refuses them); checking them here would need a host
   sync, so the kernels skip them (they contribute nothing) and never index outside the weights. An id
   repeated within a row counts once with its weights summed, which is the reference's result.
-  NVFP4 tiles are decoded in the kernel, W4A16: E2M1 codes with integer ops and a table of the doubled
-  magnitudes packed in one int32, E4M3 block scales from their uint8 bits (a native fp8 conversion on
-  the GPU, integer math under the interpreter), weight = value * (scale * global) in fp32 rounded to
-  x's dtype. `tl.dot_scaled` is not used: its e2m1 path does not compile for Hopper under Triton 3.6.
+  NVFP4 tiles are decoded in the kernel, W4A16, as the NVFP4 GEMM's dot kernel decodes them
+  (`linear_nvfp4.decoded_tile`): the codes read as int32 words of 8, each word's 8 values E2M1 * block scale
+  * 2^-8 made by a few bit operations and one bf16x2 multiply a pair (inline PTX on the GPU), exact in x's 16
+  bits, K permuted within each word and x's tile permuted to match (`permuted_x`); the dot sums in fp32 and
+  the expert's global scale (with the 2^8) multiplies the sum once. The reference instead rounds each
+  dequantized weight, value * scale * global, to x's dtype before its matmul: the two differ by that rounding
+  (at most half an ulp of x's dtype a weight). `tl.dot_scaled` is not used: its e2m1 path does not compile for
+  Hopper under Triton 3.6.
 
 What each provider takes is one rule, its predicate and the error its `*_triton` entry point raises when called
 directly (`moe_route_softmax_refusal`, `fused_moe_refusal`, `fused_moe_nvfp4_refusal`): each names the argument at
@@ -49,7 +53,8 @@ import triton.language as tl
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
-from mtpfactory.kernels.fp_bits import e4m3_value
+from mtpfactory.kernels.linear import dot_acc, lowp_dot
+from mtpfactory.kernels.linear_nvfp4 import decoded_tile, permuted_x
 from mtpfactory.ops import Op, check_out, check_outs, triton_can_run, write_outs
 from mtpfactory.quant import dequantize_nvfp4
 
@@ -309,46 +314,20 @@ def _round_act(v, ACT: tl.constexpr, INTERP: tl.constexpr, AS_FP32: tl.constexpr
 
 
 @triton.jit
-def _e2m1_twice(code):
-    """4-bit E2M1 codes (int32) -> 2 * value as fp32. The doubled magnitudes 0 1 2 3 4 6 8 12 sit as nibbles
-    in one int32 table, code 7 in the lowest nibble; the sign is bit 3."""
-    mag = (0x0123468C >> ((7 - (code & 7)) << 2)) & 15
-    v = mag.to(tl.float32)
-    return tl.where((code & 8) != 0, -v, v)
-
-
-@triton.jit
-def _nvfp4_tiles(w_ptr, s_ptr, rows, row_ok, b0, n_bytes, stride_wn, stride_sn, glob,
-                 R: tl.constexpr, NB: tl.constexpr, INTERP: tl.constexpr):
-    """Rows `rows` [R] of an NVFP4 matrix (bytes [*, n_bytes], scales [*, n_bytes / 8]) over bytes
-    b0 .. b0 + 8 * NB (b0 a multiple of 8: whole 16-element blocks). Returns the weights of the even
-    elements (low nibbles) and of the odd ones (high nibbles), two fp32 tiles [R, 8 * NB]: value *
-    (scale * glob), one product per block and one per element (`dequantize_nvfp4` multiplies in the other
-    order; the two differ by at most an fp32 ulp)."""
-    blk = tl.arange(0, NB)
-    bb = b0 + blk[:, None] * 8 + tl.arange(0, 8)[None, :]                                  # [NB, 8]
-    ok = row_ok[:, None, None] & (bb < n_bytes)[None, :, :]
-    byte = tl.load(w_ptr + rows[:, None, None] * stride_wn + bb[None, :, :], mask=ok, other=0).to(tl.int32)
-    sb = b0 // 8 + blk                                                                     # [NB]
-    s_ok = row_ok[:, None] & (sb < n_bytes // 8)[None, :]
-    sbits = tl.load(s_ptr + rows[:, None] * stride_sn + sb[None, :], mask=s_ok, other=0)   # [R, NB] uint8
-    if INTERP:
-        scale = e4m3_value(sbits.to(tl.int32))
-    else:
-        scale = sbits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    unit = (scale * glob * 0.5)[:, :, None]                                                # [R, NB, 1]
-    lo = _e2m1_twice(byte & 15) * unit                                                     # [R, NB, 8]
-    hi = _e2m1_twice(byte >> 4) * unit
-    return tl.reshape(lo, (R, NB * 8)), tl.reshape(hi, (R, NB * 8))
-
-
-@triton.jit
-def _dot_halves(acc, a_even, a_odd, w_lo, w_hi, ACT: tl.constexpr, INTERP: tl.constexpr):
-    """acc + a @ w^T over one K chunk of an NVFP4 weight, from the even and odd elements of both: the
-    activations' [M, K/2], and the weight's fp32 tiles [R, K/2] (`_nvfp4_tiles`) rounded to x's dtype here."""
-    acc += tl.dot(a_even, tl.trans(_round_act(w_lo, ACT, INTERP, False)), input_precision="ieee")
-    acc += tl.dot(a_odd, tl.trans(_round_act(w_hi, ACT, INTERP, False)), input_precision="ieee")
-    return acc
+def _nvfp4_dot(acc, a_rows, a_ok, w_rows, s_rows, w_ok, k0, K, BM: tl.constexpr, BR: tl.constexpr,
+               BK: tl.constexpr, ACT: tl.constexpr, LOWP_DOT: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc [BM, BR] + a @ w^T over the K tile from element k0 on: a's rows `a_rows` [BM, 1] (pointers to
+    element 0, unit stride along K; rows where a_ok, others zero) times rows of an NVFP4 matrix read as int32
+    words of 8 codes (`w_rows` [BR, 1], in words) with their scale bytes (`s_rows` [BR, 1]; rows where w_ok),
+    each decoded to E2M1 * scale * 2^-8 (`decoded_tile`: exact in 16 bits, so the dot rounds nothing before
+    its fp32 sum; the caller multiplies by 2^8 and the global scale). Past K everything reads as zero."""
+    word = k0 // 8 + tl.arange(0, BK // 8)
+    blk = k0 // 16 + tl.arange(0, BK // 16)
+    wv = tl.load(w_rows + word[None, :], mask=w_ok[:, None] & (word < K // 8)[None, :], other=0)       # [BR, BK/8]
+    sb = tl.load(s_rows + blk[None, :], mask=w_ok[:, None] & (blk < K // 16)[None, :], other=0)       # [BR, BK/16]
+    cols = k0 + tl.arange(0, BK)
+    av = tl.load(a_rows + cols[None, :], mask=a_ok[:, None] & (cols < K)[None, :], other=0.0)         # [BM, BK]
+    return dot_acc(permuted_x(av, BM, BK), decoded_tile(wv, sb, BR, BK, USE_ASM), acc, ACT, LOWP_DOT, False)
 
 
 @triton.jit
@@ -433,7 +412,7 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr,
                         N, H, I, E, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                         C, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr,
                         BH: tl.constexpr, BY_EXPERT: tl.constexpr, NVFP4: tl.constexpr, ACT: tl.constexpr,
-                        INTERP: tl.constexpr):
+                        INTERP: tl.constexpr, LOWP_DOT: tl.constexpr, USE_ASM: tl.constexpr):
     """h[n * k + j, i] = silu(gate_e x_n)_i * (up_e x_n)_i for e = ids[n, j], over one tile of I; one
     program per (row group, candidate c < C)."""
     group = tl.program_id(0) // C
@@ -447,23 +426,17 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr,
         e64 = e.to(tl.int64)                               # a large stride_we times e needs 64 bits
         acc_g = tl.zeros((BM, BI), tl.float32)
         acc_u = tl.zeros((BM, BI), tl.float32)
-        if NVFP4:
-            NB: tl.constexpr = BH // 16
-            glob_g = tl.load(g_ptr + e64 * 2)
-            glob_u = tl.load(g_ptr + e64 * 2 + 1)
-            wb = w_ptr + e64 * stride_we
-            sb = s_ptr + e64 * stride_se
-            for b0 in range(0, H // 2, BH // 2):
-                cols = 2 * (b0 + tl.arange(0, BH // 2))                                    # even elements
-                xm = has[:, None] & (cols < H)[None, :]
-                xp = x_ptr + rows[:, None] * stride_xm + cols[None, :]
-                x_even = _load_act(xp, xm, INTERP)                                         # [BM, BH/2]
-                x_odd = _load_act(xp + 1, xm, INTERP)
-                g_lo, g_hi = _nvfp4_tiles(wb, sb, ii, i_ok, b0, H // 2, stride_wn, stride_sn, glob_g, BI, NB, INTERP)
-                u_lo, u_hi = _nvfp4_tiles(wb, sb, ii + I, i_ok, b0, H // 2, stride_wn, stride_sn, glob_u, BI, NB,
-                                          INTERP)
-                acc_g = _dot_halves(acc_g, x_even, x_odd, g_lo, g_hi, ACT, INTERP)
-                acc_u = _dot_halves(acc_u, x_even, x_odd, u_lo, u_hi, ACT, INTERP)
+        if NVFP4:                                          # w_ptr: the codes as int32 words [E, 2I, H/8]
+            g_rows = w_ptr + e64 * stride_we + ii[:, None].to(tl.int64) * stride_wn                  # [BI, 1]
+            gs_rows = s_ptr + e64 * stride_se + ii[:, None].to(tl.int64) * stride_sn
+            x_rows = x_ptr + rows[:, None] * stride_xm                                              # [BM, 1]
+            for k0 in range(0, H, BH):
+                acc_g = _nvfp4_dot(acc_g, x_rows, has, g_rows, gs_rows, i_ok, k0, H, BM, BI, BH, ACT, LOWP_DOT,
+                                   USE_ASM)
+                acc_u = _nvfp4_dot(acc_u, x_rows, has, g_rows + I * stride_wn, gs_rows + I * stride_sn, i_ok, k0,
+                                   H, BM, BI, BH, ACT, LOWP_DOT, USE_ASM)
+            acc_g *= 256.0 * tl.load(g_ptr + e64 * 2)
+            acc_u *= 256.0 * tl.load(g_ptr + e64 * 2 + 1)
         else:
             for h0 in range(0, H, BH):
                 hh = h0 + tl.arange(0, BH)
@@ -486,7 +459,8 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
                      N, H, I, E, stride_we, stride_wn, stride_se, stride_sn, stride_som, stride_sgm,
                      stride_om, C, SPLIT, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BHO: tl.constexpr,
                      BI: tl.constexpr, BY_EXPERT: tl.constexpr, NVFP4: tl.constexpr, HAS_SHARED: tl.constexpr,
-                     PARTIAL: tl.constexpr, ACT: tl.constexpr, INTERP: tl.constexpr):
+                     PARTIAL: tl.constexpr, ACT: tl.constexpr, INTERP: tl.constexpr, LOWP_DOT: tl.constexpr,
+                     USE_ASM: tl.constexpr):
     """out[n, o] = sum_j tw[n, j] * round(down_e h[n * k + j])_o + sigmoid(sg[n]) * so[n, o], over one tile
     of H. One program per (row group, split, tile); split s takes candidates s, s + SPLIT, ... With
     PARTIAL (SPLIT > 1) it stores its fp32 sum in part[s, n, o] for `_moe_blend_kernel`."""
@@ -509,17 +483,12 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
             hrow = h_ptr + (rows * TOP_K + slot)[:, None] * I                              # [BM, 1]
             e64 = e.to(tl.int64)
             y = tl.zeros((BM, BHO), tl.float32)
-            if NVFP4:
-                NB: tl.constexpr = BI // 16
-                glob = tl.load(g_ptr + e64)
-                for b0 in range(0, I // 2, BI // 2):
-                    cols = 2 * (b0 + tl.arange(0, BI // 2))
-                    hm = has[:, None] & (cols < I)[None, :]
-                    h_even = _load_act(hrow + cols[None, :], hm, INTERP)                   # [BM, BI/2]
-                    h_odd = _load_act(hrow + cols[None, :] + 1, hm, INTERP)
-                    d_lo, d_hi = _nvfp4_tiles(w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, oo, o_ok, b0,
-                                              I // 2, stride_wn, stride_sn, glob, BHO, NB, INTERP)
-                    y = _dot_halves(y, h_even, h_odd, d_lo, d_hi, ACT, INTERP)
+            if NVFP4:                                      # w_ptr: the codes as int32 words [E, H, I/8]
+                d_rows = w_ptr + e64 * stride_we + oo[:, None].to(tl.int64) * stride_wn             # [BHO, 1]
+                ds_rows = s_ptr + e64 * stride_se + oo[:, None].to(tl.int64) * stride_sn
+                for k0 in range(0, I, BI):
+                    y = _nvfp4_dot(y, hrow, has, d_rows, ds_rows, o_ok, k0, I, BM, BHO, BI, ACT, LOWP_DOT, USE_ASM)
+                y *= 256.0 * tl.load(g_ptr + e64)
             else:
                 for i0 in range(0, I, BI):
                     ii = i0 + tl.arange(0, BI)
@@ -611,10 +580,11 @@ def _sm_count(device: torch.device) -> int:
 
 def _tiles(hidden: int, inter: int, nvfp4: bool) -> dict:
     """Tile sizes: BI gate and up rows per gate_up program, BHO down rows per down program; the K chunks
-    (BH over H, BI_K over I) are whole 16-element NVFP4 blocks and at least 32 wide (an NVFP4 chunk feeds
-    two dots of half its width, and a dot needs 16)."""
-    return dict(BI=32, BHO=64, BH=min(128, max(32, triton.next_power_of_2(hidden))),
-                BI_K=min(128, max(32, triton.next_power_of_2(inter))), warps=4)
+    (BH over H, BI_K over I) at least 32 wide (a dot needs 16), and for NVFP4 whole words of 8 codes and
+    16-element blocks: K tiles of up to 256, as the NVFP4 GEMM's dot kernel takes."""
+    widest = 256 if nvfp4 else 128
+    return dict(BI=32, BHO=64, BH=min(widest, max(32, triton.next_power_of_2(hidden))),
+                BI_K=min(widest, max(32, triton.next_power_of_2(inter))), warps=4)
 
 
 def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_gate, out, workspace, nvfp4):
@@ -642,7 +612,7 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     by_expert = w_gu.shape[0] < cand
     cand = w_gu.shape[0] if by_expert else cand
     consts = dict(C=cand, TOP_K=top_k, KP=triton.next_power_of_2(top_k), BM=bm, BY_EXPERT=by_expert, NVFP4=nvfp4,
-                  ACT=ACT_DTYPES[x.dtype], INTERP=x.device.type == "cpu")
+                  ACT=ACT_DTYPES[x.dtype], INTERP=x.device.type == "cpu", LOWP_DOT=lowp_dot(x), USE_ASM=x.is_cuda)
     t = _tiles(hidden, inter, nvfp4)
     s_strides = (s_gu.stride(0), s_gu.stride(1)) if nvfp4 else (0, 0)
     _moe_gate_up_kernel[(groups * cand, triton.cdiv(inter, t["BI"]))](
@@ -697,9 +667,9 @@ def fused_moe_nvfp4_triton(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scal
 def _fused_moe_nvfp4_launch(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
                             topk_ids, shared_out=None, shared_gate=None, *, out=None, workspace=None) -> torch.Tensor:
     """`fused_moe_nvfp4_triton` on a call `fused_moe_nvfp4_refusal` passed (the op's predicate checked it: one
-    check a call); the e4m3 scales go to the kernels as their uint8 bits."""
-    tensors = (gu_weight, gu_scale.view(torch.uint8), gu_global.float().contiguous(),
-               dn_weight, dn_scale.view(torch.uint8), dn_global.float().contiguous())
+    check a call); the codes go to the kernels as int32 words of 8, the e4m3 scales as their uint8 bits."""
+    tensors = (gu_weight.view(torch.int32), gu_scale.view(torch.uint8), gu_global.float().contiguous(),
+               dn_weight.view(torch.int32), dn_scale.view(torch.uint8), dn_global.float().contiguous())
     return _launch_moe(x, tensors, gu_weight.shape[1] // 2, topk_weights, topk_ids, shared_out, shared_gate,
                        out, workspace, nvfp4=True)
 
@@ -777,6 +747,8 @@ def fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_sca
         return InputError("gu_weight", _desc(gu_weight, strides=True), "uint8 [E, 2I, H/2] with E >= 1, I a "
                           "positive multiple of 16 (whole NVFP4 blocks along I) and unit stride along H",
                           "pass the packed NVFP4 gate_up codes (quantize_nvfp4) of at least one expert, contiguous")
+    if err := _words_refusal("gu_weight", gu_weight):
+        return err
     wants = (("gu_scale", gu_scale, torch.float8_e4m3fn, (e, 2 * i, h // 16)), ("gu_global", gu_global, None, (e, 2)),
              ("dn_weight", dn_weight, torch.uint8, (e, h, i // 2)),
              ("dn_scale", dn_scale, torch.float8_e4m3fn, (e, h, i // 16)), ("dn_global", dn_global, None, (e,)))
@@ -788,6 +760,16 @@ def fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_sca
         if dtype is not None and not _unit_last(t):
             return InputError(name, _desc(t, strides=True), "unit stride along the last dim",
                               f"pass {name}.contiguous()")
+    return _words_refusal("dn_weight", dn_weight)
+
+
+def _words_refusal(name: str, codes: torch.Tensor) -> InputError | None:
+    """Codes [E, R, K/2] the kernels can read as int32 words of 8 (K a multiple of 16, unit stride along it
+    checked before): rows and experts a multiple of 4 bytes apart, starting on a 4-byte boundary."""
+    if codes.stride(0) % 4 or codes.stride(1) % 4 or codes.storage_offset() % 4:
+        return InputError(name, f"strides {codes.stride()} at byte {codes.storage_offset()} of its storage",
+                          "rows and experts a multiple of 4 bytes apart, from a 4-byte boundary (the kernels read "
+                          "the codes as int32 words)", f"pass {name}.contiguous()")
     return None
 
 
