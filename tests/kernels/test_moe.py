@@ -633,8 +633,23 @@ MISFITS = {
                             r"experts\.\d+\.down_proj\.weight_scale\.shape"),
     "nvfp4-dn_scale-E-fewer": ("nvfp4", lambda a: dict(dn_scale=a["dn_scale"][:3]), "dn_scale", "dn_scale"),
     "nvfp4-dn_global-E-more": ("nvfp4", lambda a: dict(dn_global=torch.ones(5)), "dn_global", None),
+    "nvfp4-gu_weight-off-a-word": ("nvfp4", lambda a: dict(gu_weight=off_a_word(a["gu_weight"])), "gu_weight", None),
+    "nvfp4-dn_weight-rows-18-bytes-apart": ("nvfp4", lambda a: dict(dn_weight=rows_apart(a["dn_weight"], 18)),
+                                            "dn_weight", None),
     "nvfp4-dn_global-int64": ("nvfp4", lambda a: dict(dn_global=torch.ones(4, dtype=torch.int64)), "dn_global", None),
 }
+
+
+def off_a_word(codes: torch.Tensor) -> torch.Tensor:
+    """codes' values, from byte 1 of their storage: the kernels read codes as int32 words, the reference any."""
+    return torch.cat([codes.new_zeros(1), codes.flatten()])[1:].view(codes.shape)
+
+
+def rows_apart(codes: torch.Tensor, stride: int) -> torch.Tensor:
+    """codes' values with their rows `stride` bytes apart."""
+    wide = codes.new_zeros(*codes.shape[:-1], stride)
+    wide[..., :codes.shape[-1]] = codes
+    return wide[..., :codes.shape[-1]]
 
 
 @pytest.mark.parametrize("case", MISFITS, ids=str)
