@@ -61,7 +61,6 @@ from mtpfactory.quant import dequantize_nvfp4
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_ROUTED_EXPERTS = 8192  # one program holds a row of router logits
 MAX_SPLIT = 16  # programs that share one (row group, output tile) of the down projection
-MOE_AHEAD = 1   # the NVFP4 loops' K steps a tile's loads are issued before its decode (0 or 1)
 
 
 # --- references ------------------------------------------------------------------------------------------
@@ -425,7 +424,7 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr,
                         N, H, I, E, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                         C, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr,
                         BH: tl.constexpr, BY_EXPERT: tl.constexpr, NVFP4: tl.constexpr, ACT: tl.constexpr,
-                        INTERP: tl.constexpr, LOWP_DOT: tl.constexpr, USE_ASM: tl.constexpr, AHEAD: tl.constexpr):
+                        INTERP: tl.constexpr, LOWP_DOT: tl.constexpr, USE_ASM: tl.constexpr):
     """h[n * k + j, i] = silu(gate_e x_n)_i * (up_e x_n)_i for e = ids[n, j], over one tile of I; one
     program per (row group, candidate c < C)."""
     group = tl.program_id(0) // C
@@ -444,28 +443,12 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr,
             gs_rows = s_ptr + e64 * stride_se + ii[:, None].to(tl.int64) * stride_sn
             u_rows, us_rows = g_rows + I * stride_wn, gs_rows + I * stride_sn
             x_rows = x_ptr + rows[:, None] * stride_xm                                              # [BM, 1]
-            last = (H - 1) // BH * BH                      # the last K tile
-            # each step's loads are issued AHEAD (0 or 1) steps before its decode (Triton's pipeliner does not
-            # take loads that feed arithmetic before the dot); past the last tile, the last again (an L2 hit)
-            gw, gs = _nvfp4_words(g_rows, gs_rows, i_ok, 0, H, BH)
-            uw, us = _nvfp4_words(u_rows, us_rows, i_ok, 0, H, BH)
-            xv = _act_tile(x_rows, has, 0, H, BH)
             for k0 in range(0, H, BH):
-                if AHEAD:
-                    kn = tl.minimum(k0 + BH, last)
-                    gw_n, gs_n = _nvfp4_words(g_rows, gs_rows, i_ok, kn, H, BH)
-                    uw_n, us_n = _nvfp4_words(u_rows, us_rows, i_ok, kn, H, BH)
-                    xv_n = _act_tile(x_rows, has, kn, H, BH)
-                x = permuted_x(xv, BM, BH)
+                x = permuted_x(_act_tile(x_rows, has, k0, H, BH), BM, BH)                           # [BM, BH]
+                gw, gs = _nvfp4_words(g_rows, gs_rows, i_ok, k0, H, BH)
+                uw, us = _nvfp4_words(u_rows, us_rows, i_ok, k0, H, BH)
                 acc_g = _nvfp4_dot(acc_g, x, gw, gs, BI, BH, ACT, LOWP_DOT, USE_ASM)
                 acc_u = _nvfp4_dot(acc_u, x, uw, us, BI, BH, ACT, LOWP_DOT, USE_ASM)
-                if AHEAD:
-                    gw, gs, uw, us, xv = gw_n, gs_n, uw_n, us_n, xv_n
-                else:
-                    kn = tl.minimum(k0 + BH, last)
-                    gw, gs = _nvfp4_words(g_rows, gs_rows, i_ok, kn, H, BH)
-                    uw, us = _nvfp4_words(u_rows, us_rows, i_ok, kn, H, BH)
-                    xv = _act_tile(x_rows, has, kn, H, BH)
             acc_g *= 256.0 * tl.load(g_ptr + e64 * 2)
             acc_u *= 256.0 * tl.load(g_ptr + e64 * 2 + 1)
         else:
@@ -491,7 +474,7 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
                      stride_om, C, SPLIT, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BHO: tl.constexpr,
                      BI: tl.constexpr, BY_EXPERT: tl.constexpr, NVFP4: tl.constexpr, HAS_SHARED: tl.constexpr,
                      PARTIAL: tl.constexpr, ACT: tl.constexpr, INTERP: tl.constexpr, LOWP_DOT: tl.constexpr,
-                     USE_ASM: tl.constexpr, AHEAD: tl.constexpr):
+                     USE_ASM: tl.constexpr):
     """out[n, o] = sum_j tw[n, j] * round(down_e h[n * k + j])_o + sigmoid(sg[n]) * so[n, o], over one tile
     of H. One program per (row group, split, tile); split s takes candidates s, s + SPLIT, ... With
     PARTIAL (SPLIT > 1) it stores its fp32 sum in part[s, n, o] for `_moe_blend_kernel`."""
@@ -517,21 +500,10 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
             if NVFP4:                                      # w_ptr: the codes as int32 words [E, H, I/8]
                 d_rows = w_ptr + e64 * stride_we + oo[:, None].to(tl.int64) * stride_wn             # [BHO, 1]
                 ds_rows = s_ptr + e64 * stride_se + oo[:, None].to(tl.int64) * stride_sn
-                last = (I - 1) // BI * BI
-                dw, ds = _nvfp4_words(d_rows, ds_rows, o_ok, 0, I, BI)
-                hv = _act_tile(hrow, has, 0, I, BI)
-                for k0 in range(0, I, BI):              # loads AHEAD as in the gate_up kernel
-                    if AHEAD:
-                        kn = tl.minimum(k0 + BI, last)
-                        dw_n, ds_n = _nvfp4_words(d_rows, ds_rows, o_ok, kn, I, BI)
-                        hv_n = _act_tile(hrow, has, kn, I, BI)
-                    y = _nvfp4_dot(y, permuted_x(hv, BM, BI), dw, ds, BHO, BI, ACT, LOWP_DOT, USE_ASM)
-                    if AHEAD:
-                        dw, ds, hv = dw_n, ds_n, hv_n
-                    else:
-                        kn = tl.minimum(k0 + BI, last)
-                        dw, ds = _nvfp4_words(d_rows, ds_rows, o_ok, kn, I, BI)
-                        hv = _act_tile(hrow, has, kn, I, BI)
+                for k0 in range(0, I, BI):
+                    dw, ds = _nvfp4_words(d_rows, ds_rows, o_ok, k0, I, BI)
+                    y = _nvfp4_dot(y, permuted_x(_act_tile(hrow, has, k0, I, BI), BM, BI), dw, ds, BHO, BI, ACT,
+                                   LOWP_DOT, USE_ASM)
                 y *= 256.0 * tl.load(g_ptr + e64)
             else:
                 for i0 in range(0, I, BI):
@@ -656,8 +628,7 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     by_expert = w_gu.shape[0] < cand
     cand = w_gu.shape[0] if by_expert else cand
     consts = dict(C=cand, TOP_K=top_k, KP=triton.next_power_of_2(top_k), BM=bm, BY_EXPERT=by_expert, NVFP4=nvfp4,
-                  ACT=ACT_DTYPES[x.dtype], INTERP=x.device.type == "cpu", LOWP_DOT=lowp_dot(x), USE_ASM=x.is_cuda,
-                  AHEAD=MOE_AHEAD)
+                  ACT=ACT_DTYPES[x.dtype], INTERP=x.device.type == "cpu", LOWP_DOT=lowp_dot(x), USE_ASM=x.is_cuda)
     t = _tiles(hidden, inter, nvfp4)
     s_strides = (s_gu.stride(0), s_gu.stride(1)) if nvfp4 else (0, 0)
     _moe_gate_up_kernel[(groups * cand, triton.cdiv(inter, t["BI"]))](
