@@ -159,44 +159,55 @@ def _e4m3x4_f32(w, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def gemv_nvfp4_step(acc, x_ptr, stride_xk, w_rows, s_rows, mask_n, kk, K, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc [BN, BK/16] + the K tile from element kk on of one row of x (x_ptr, stride_xk) times rows of an NVFP4
+    weight (`w_rows` [BN, 1]: the codes as int32 words of 8, pointers in words; `s_rows` [BN, 1]: the scale
+    bytes; rows where mask_n), per 16-element block: each word becomes two words of E4M3 bytes (four codes per
+    integer op), the hardware widens those to fp32, the FMAs run on exact E2M1 values * 2^-6, and each block's
+    sum is multiplied by its scale once. The caller multiplies the row's sum by 2^6 and the global scale."""
+    W: tl.constexpr = BLOCK_K // 8                                   # words of a K tile
+    NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
+    word = kk // 8 + tl.arange(0, W)                                 # [W] word index along the row
+    mask_w = word < K // 8
+    wv = tl.load(w_rows + word[None, :], mask=mask_n[:, None] & mask_w[None, :], other=0)   # [BN, W] int32
+    even, odd = _e2m1_words_to_e4m3(wv)
+    e0, e2, e4, e6 = _e4m3x4_f32(even, USE_ASM)                      # [BN, W] elements 8w + 0, 2, 4, 6
+    e1, e3, e5, e7 = _e4m3x4_f32(odd, USE_ASM)                       # elements 8w + 1, 3, 5, 7
+    xp = x_ptr + word * 8 * stride_xk                                # [W]
+    p = e0 * tl.load(xp, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+    p += e1 * tl.load(xp + stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+    p += e2 * tl.load(xp + 2 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+    p += e3 * tl.load(xp + 3 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+    p += e4 * tl.load(xp + 4 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+    p += e5 * tl.load(xp + 5 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+    p += e6 * tl.load(xp + 6 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
+    p += e7 * tl.load(xp + 7 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]    # [BN, W]
+    block_sum = tl.sum(tl.reshape(p, [BLOCK_N, NB, 2]), axis=2)      # [BN, NB]: two words a block
+    blk = kk // 16 + tl.arange(0, NB)                                # [NB]
+    sb = tl.load(s_rows + blk[None, :], mask=mask_n[:, None] & (blk < K // 16)[None, :], other=0).to(tl.int32)
+    return acc + block_sum * (_e4m3_bits_to_f32(sb) * 256.0)
+
+
+@triton.jit
 def _gemv_nvfp4_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, part_ptr, N, K, k_per_split,
                        stride_xk, stride_wn, stride_sn, stride_on,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
     """M = 1: out[n] = sum_k x[k] * w[n, k], the weight read as int32 words of 8 codes (w_ptr: the bytes
-    viewed as int32, stride_wn in words). Each word becomes two words of E4M3 bytes (four codes per integer
-    op), the hardware widens those to fp32, the FMAs run on exact E2M1 values; each 16-element block's sum
-    is multiplied by its scale once, 2^6 and `weight_scale_2` by the row's sum."""
-    W: tl.constexpr = BLOCK_K // 8                                   # words of a K tile
-    NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
+    viewed as int32, stride_wn in words), K tile by K tile (`gemv_nvfp4_step`); 2^6 and `weight_scale_2` by
+    the row's sum."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # [BN]
     mask_n = offs_n < N
     n64 = offs_n.to(tl.int64)
+    w_rows = w_ptr + n64[:, None] * stride_wn                        # [BN, 1]
+    s_rows = s_ptr + n64[:, None] * stride_sn
     k_start = pid_k * k_per_split
-    acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
-        word = (k_start + k0) // 8 + tl.arange(0, W)                 # [W] word index along the row
-        mask_w = word < K // 8
-        wv = tl.load(w_ptr + n64[:, None] * stride_wn + word[None, :], mask=mask_n[:, None] & mask_w[None, :],
-                     other=0)                                        # [BN, W] int32
-        even, odd = _e2m1_words_to_e4m3(wv)
-        e0, e2, e4, e6 = _e4m3x4_f32(even, USE_ASM)                  # [BN, W] elements 8w + 0, 2, 4, 6
-        e1, e3, e5, e7 = _e4m3x4_f32(odd, USE_ASM)                   # elements 8w + 1, 3, 5, 7
-        xp = x_ptr + word * 8 * stride_xk                            # [W]
-        p = e0 * tl.load(xp, mask=mask_w, other=0.0).to(tl.float32)[None, :]
-        p += e1 * tl.load(xp + stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
-        p += e2 * tl.load(xp + 2 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
-        p += e3 * tl.load(xp + 3 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
-        p += e4 * tl.load(xp + 4 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
-        p += e5 * tl.load(xp + 5 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
-        p += e6 * tl.load(xp + 6 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
-        p += e7 * tl.load(xp + 7 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]   # [BN, W]
-        block_sum = tl.sum(tl.reshape(p, [BLOCK_N, NB, 2]), axis=2)  # [BN, NB]: two words a block
-        blk = (k_start + k0) // 16 + tl.arange(0, NB)                # [NB]
-        sb = tl.load(s_ptr + n64[:, None] * stride_sn + blk[None, :], mask=mask_n[:, None] & (blk < K // 16)[None, :],
-                     other=0).to(tl.int32)                           # [BN, NB] E4M3 bits
-        acc += block_sum * (_e4m3_bits_to_f32(sb) * 256.0)
+        acc = gemv_nvfp4_step(acc, x_ptr, stride_xk, w_rows, s_rows, mask_n, k_start + k0, K, BLOCK_N, BLOCK_K,
+                              USE_ASM)
     acc = tl.sum(acc, axis=1) * 64.0                                 # [BN]; the decode's 2^-6 undone
     if SPLIT:
         tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)

@@ -54,13 +54,17 @@ import triton.language as tl
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.linear import dot_acc, lowp_dot
-from mtpfactory.kernels.linear_nvfp4 import decoded_tile, permuted_x
+from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, permuted_x
 from mtpfactory.ops import Op, check_out, check_outs, triton_can_run, write_outs
 from mtpfactory.quant import dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_ROUTED_EXPERTS = 8192  # one program holds a row of router logits
 MAX_SPLIT = 16  # programs that share one (row group, output tile) of the down projection
+# NVFP4 experts at this many rows or fewer run as GEMVs over the (row, slot) pairs, more rows through the dot
+# kernels (a decode step's rows share few experts; a prefill chunk's share more)
+GEMV_MAX_ROWS = 32
+GEMV_TILES = {"gate_up": (16, 256), "down": (32, 256)}   # (rows of the weight, K tile) a program
 
 
 # --- references ------------------------------------------------------------------------------------------
@@ -523,6 +527,77 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
 
 
 @triton.jit
+def _pair_owner(ids_ptr, pair, E, TOP_K: tl.constexpr, KP: tl.constexpr):
+    """(row, slot, expert id int64, owned) of a (row, slot) pair: owned when its id lies in [0, E) and no earlier
+    slot of its row holds it (as `_expert_rows`: a row that repeats an expert counts it once)."""
+    n = pair // TOP_K
+    j = pair % TOP_K
+    slots = tl.arange(0, KP)
+    row_ids = tl.load(ids_ptr + n * TOP_K + slots, mask=slots < TOP_K, other=-1)                 # [KP]
+    e = tl.load(ids_ptr + pair)
+    first = tl.min(tl.where(row_ids == e, slots, KP), axis=0)
+    return n, j, e, (e >= 0) & (e < E) & (first == j)
+
+
+@triton.jit
+def _moe_gate_up_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, H, I, E, stride_xm, stride_we, stride_wn,
+                             stride_se, stride_sn, TOP_K: tl.constexpr, KP: tl.constexpr, BI: tl.constexpr,
+                             BH: tl.constexpr, ACT: tl.constexpr, INTERP: tl.constexpr, USE_ASM: tl.constexpr):
+    """NVFP4 experts, few rows (`GEMV_MAX_ROWS`): h[pair, i] = silu(gate_e x_n)_i * (up_e x_n)_i for the pair's
+    expert e, one program per ((row n, slot) pair, tile of BI intermediate columns), owners only
+    (`_pair_owner`), as GEMVs (`gemv_nvfp4_step`): at a decode step's few rows most experts serve one row, and
+    the dot kernel's 16 rows a group would be mostly padding."""
+    pair = tl.program_id(0)
+    n, j, e, owned = _pair_owner(ids_ptr, pair, E, TOP_K, KP)
+    if owned:
+        e64 = e.to(tl.int64)
+        ii = tl.program_id(1) * BI + tl.arange(0, BI)
+        i_ok = ii < I
+        g_rows = w_ptr + e64 * stride_we + ii[:, None].to(tl.int64) * stride_wn                      # [BI, 1]
+        gs_rows = s_ptr + e64 * stride_se + ii[:, None].to(tl.int64) * stride_sn
+        x_row = x_ptr + n.to(tl.int64) * stride_xm
+        acc_g = tl.zeros([BI, BH // 16], tl.float32)
+        acc_u = tl.zeros([BI, BH // 16], tl.float32)
+        for k0 in range(0, H, BH):
+            acc_g = gemv_nvfp4_step(acc_g, x_row, 1, g_rows, gs_rows, i_ok, k0, H, BI, BH, USE_ASM)
+            acc_u = gemv_nvfp4_step(acc_u, x_row, 1, g_rows + I * stride_wn, gs_rows + I * stride_sn, i_ok, k0, H,
+                                    BI, BH, USE_ASM)
+        gate = tl.sum(acc_g, axis=1) * (64.0 * tl.load(g_ptr + e64 * 2))                           # [BI]
+        up = tl.sum(acc_u, axis=1) * (64.0 * tl.load(g_ptr + e64 * 2 + 1))
+        tl.store(h_ptr + pair.to(tl.int64) * I + ii, _round_act(gate * tl.sigmoid(gate) * up, ACT, INTERP, False),
+                 mask=i_ok)
+
+
+@triton.jit
+def _moe_down_gemv_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, part_ptr, N, H, I, E, stride_we, stride_wn,
+                          stride_se, stride_sn, TOP_K: tl.constexpr, KP: tl.constexpr, BHO: tl.constexpr,
+                          BI: tl.constexpr, ACT: tl.constexpr, INTERP: tl.constexpr, USE_ASM: tl.constexpr):
+    """NVFP4 experts, few rows: part[slot, n, o] = w * round(down_e h[pair])_o for each (row n, slot) pair, w the
+    row's weights of expert e summed; zero where the pair is not its expert's owner (`_pair_owner`). One program
+    per (pair, tile of BHO output columns); `_moe_blend_kernel` sums the slots in order and blends."""
+    pair = tl.program_id(0)
+    n, j, e, owned = _pair_owner(ids_ptr, pair, E, TOP_K, KP)
+    oo = tl.program_id(1) * BHO + tl.arange(0, BHO)
+    o_ok = oo < H
+    val = tl.zeros([BHO], tl.float32)
+    if owned:
+        e64 = e.to(tl.int64)
+        slots = tl.arange(0, KP)
+        row_ids = tl.load(ids_ptr + n * TOP_K + slots, mask=slots < TOP_K, other=-1)
+        tw = tl.load(tw_ptr + n * TOP_K + slots, mask=slots < TOP_K, other=0.0)
+        weight = tl.sum(tl.where(row_ids == e, tw, 0.0), axis=0)
+        d_rows = w_ptr + e64 * stride_we + oo[:, None].to(tl.int64) * stride_wn                     # [BHO, 1]
+        ds_rows = s_ptr + e64 * stride_se + oo[:, None].to(tl.int64) * stride_sn
+        h_row = h_ptr + pair.to(tl.int64) * I
+        acc = tl.zeros([BHO, BI // 16], tl.float32)
+        for k0 in range(0, I, BI):
+            acc = gemv_nvfp4_step(acc, h_row, 1, d_rows, ds_rows, o_ok, k0, I, BHO, BI, USE_ASM)
+        y = tl.sum(acc, axis=1) * (64.0 * tl.load(g_ptr + e64))
+        val = weight * _round_act(y, ACT, INTERP, True)
+    tl.store(part_ptr + (j * N + n).to(tl.int64) * H + oo, val, mask=o_ok)
+
+
+@triton.jit
 def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_som, stride_sgm, stride_om,
                       BM: tl.constexpr, BHO: tl.constexpr, HAS_SHARED: tl.constexpr, ACT: tl.constexpr,
                       INTERP: tl.constexpr):
@@ -621,6 +696,8 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     has_shared = shared_out is not None
     so = shared_out if has_shared else x
     sg = shared_gate if has_shared else x
+    if nvfp4 and n <= GEMV_MAX_ROWS:
+        return _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shared)
     bm = min(32, max(16, triton.next_power_of_2(n)))      # rows per group; a dot needs 16
     groups = triton.cdiv(n, bm)
     # A group's candidates: its (row, slot) pairs, or every expert id when there are fewer experts.
@@ -649,6 +726,28 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
         _moe_blend_kernel[(n, triton.cdiv(hidden, 128))](
             part, so, sg, out, n, hidden, split, *strides, BM=1, BHO=128, HAS_SHARED=has_shared,
             ACT=consts["ACT"], INTERP=consts["INTERP"])
+    return out
+
+
+def _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shared):
+    """NVFP4 experts at N <= GEMV_MAX_ROWS rows: the GEMV kernels over the (row, slot) pairs, then the blend
+    of each row's slots in order (deterministic)."""
+    w_gu, s_gu, g_gu, w_dn, s_dn, g_dn = tensors
+    n, hidden = x.shape
+    consts = dict(TOP_K=top_k, KP=triton.next_power_of_2(top_k), ACT=ACT_DTYPES[x.dtype],
+                  INTERP=x.device.type == "cpu", USE_ASM=x.is_cuda)
+    bi, bk = GEMV_TILES["gate_up"]
+    _moe_gate_up_gemv_kernel[(n * top_k, triton.cdiv(inter, bi))](
+        x, ids, w_gu, s_gu, g_gu, h, hidden, inter, w_gu.shape[0], x.stride(0), w_gu.stride(0), w_gu.stride(1),
+        s_gu.stride(0), s_gu.stride(1), BI=bi, BH=bk, num_warps=4, **consts)
+    bho, bk = GEMV_TILES["down"]
+    part = torch.empty(top_k, n, hidden, dtype=torch.float32, device=x.device)
+    _moe_down_gemv_kernel[(n * top_k, triton.cdiv(hidden, bho))](
+        h, ids, tw, w_dn, s_dn, g_dn, part, n, hidden, inter, w_dn.shape[0], w_dn.stride(0), w_dn.stride(1),
+        s_dn.stride(0), s_dn.stride(1), BHO=bho, BI=bk, num_warps=4, **consts)
+    _moe_blend_kernel[(n, triton.cdiv(hidden, 128))](
+        part, so, sg, out, n, hidden, top_k, so.stride(0), sg.stride(0), out.stride(0), BM=1, BHO=128,
+        HAS_SHARED=has_shared, ACT=consts["ACT"], INTERP=consts["INTERP"])
     return out
 
 

@@ -48,6 +48,14 @@ def scaled_close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=tol * ref.float().abs().max().item())
 
 
+@pytest.fixture(params=["gemv", "dot"])
+def nvfp4_path(request, monkeypatch):
+    """NVFP4 experts through the GEMV kernels (every shape here has at most GEMV_MAX_ROWS rows) or through the
+    dot kernels (GEMV_MAX_ROWS 0): both paths, whatever the rows."""
+    monkeypatch.setattr(moe, "GEMV_MAX_ROWS", 32 if request.param == "gemv" else 0)
+    return request.param
+
+
 def tied_logits(n: int, e: int, gen: torch.Generator) -> torch.Tensor:
     """[N, E] fp32 router logits with planted ties: small integers (many equal values on the top-k
     boundary), the last row all equal."""
@@ -360,7 +368,7 @@ def test_fused_moe_triton_matches_reference(shape, shared, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_fused_moe_nvfp4_triton_matches_reference(shape, dtype):
+def test_fused_moe_nvfp4_triton_matches_reference(shape, dtype, nvfp4_path):
     n, e, k, h, i = shape
     gen = torch.Generator().manual_seed(sum(shape) + 2)
     x = torch.randn(n, h, generator=gen).to(dtype)
@@ -448,7 +456,7 @@ def padded_experts(fmt: str, e: int, h: int, i: int, gen) -> tuple[object, dict[
 
 @pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
 @pytest.mark.parametrize("e", [4, 9], ids=["by-expert", "by-pair"])
-def test_triton_skips_expert_ids_out_of_range(e, fmt):
+def test_triton_skips_expert_ids_out_of_range(e, fmt, nvfp4_path):
     """Ids -1 and E contribute nothing and read nothing outside the weights; valid pairs match the reference."""
     n, k, h, i = 3, 2, 32, 32
     gen = torch.Generator().manual_seed(11)
@@ -475,19 +483,22 @@ def test_reference_refuses_expert_ids_out_of_range(bad_id):
         moe.fused_moe_nvfp4(x, **nvfp4_experts(4, 32, 32, gen), topk_weights=weights, topk_ids=ids)
 
 
+@pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
 @pytest.mark.parametrize("e", [4, 12], ids=["by-expert", "by-pair"])
-def test_fused_moe_triton_repeated_ids_in_a_row(e):
+def test_fused_moe_triton_repeated_ids_in_a_row(e, fmt, nvfp4_path):
     """A row that names an expert twice or three times (k 3) gets the reference's result, the expert
     weighted by the sum; the kernels keep one workspace row for it (the last row's would lie past the end)."""
     n, k, h, i = 3, 3, 32, 32
     gen = torch.Generator().manual_seed(13)
     x = torch.randn(n, h, generator=gen)
-    w_gate_up, w_down = experts(e, h, i, torch.float32, gen)
+    if fmt == "unq":
+        op, args = moe.fused_moe, dict(zip(("w_gate_up", "w_down"), experts(e, h, i, torch.float32, gen)))
+    else:
+        op, args = moe.fused_moe_nvfp4, nvfp4_experts(e, h, i, gen)
     weights, ids = routing(n, e, k, gen)
     ids[1, 1] = ids[1, 0]
     ids[2] = ids[2, 0]
-    got, want = run_both(moe.fused_moe, x, dict(w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights,
-                                                topk_ids=ids), {}, k, i)
+    got, want = run_both(op, x, dict(**args, topk_weights=weights, topk_ids=ids), {}, k, i)
     scaled_close(got, want, TOL[torch.float32])
 
 
@@ -526,7 +537,7 @@ def check_nonfinite_expert(fmt: str, where: str, e: int, device: str) -> None:
 @pytest.mark.parametrize("where", ["gate_up", "down"])
 @pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
 @pytest.mark.parametrize("e", [4, 9], ids=["by-expert", "by-pair"])
-def test_triton_nonfinite_expert_stays_in_its_rows(e, fmt, where):
+def test_triton_nonfinite_expert_stays_in_its_rows(e, fmt, where, nvfp4_path):
     check_nonfinite_expert(fmt, where, e, "cpu")
 
 
@@ -556,7 +567,7 @@ def moe_call(fmt: str, shape, dtype, gen) -> tuple[object, dict[str, torch.Tenso
     ("unq", (40, 4, 2, 32, 32), torch.bfloat16), ("unq", (33, 33, 1, 32, 32), torch.float32),
     ("unq", (3, 4, 2, 144, 144), torch.bfloat16), ("nvfp4", (2, 4, 1, 144, 144), torch.bfloat16)],
     ids=lambda v: shape_id(v) if isinstance(v, tuple) else str(v).removeprefix("torch."))
-def test_triton_past_one_row_group_and_one_tile(fmt, shape, dtype):
+def test_triton_past_one_row_group_and_one_tile(fmt, shape, dtype, nvfp4_path):
     op, args = moe_call(fmt, shape, dtype, torch.Generator().manual_seed(sum(shape)))
     got, want = run_both(op, args.pop("x"), args, {}, shape[2], shape[4])
     scaled_close(got, want, TOL[dtype])
@@ -711,7 +722,7 @@ def test_route_triton_qwen3_next_gpu(n):
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
 @pytest.mark.parametrize("n", [1, 8, 32, 40])
-def test_fused_moe_triton_qwen3_next_gpu(n, fmt):
+def test_fused_moe_triton_qwen3_next_gpu(n, fmt, nvfp4_path):
     e, k, h, i = QWEN3_NEXT.values()
     op, args = moe_call(fmt, (n, e, k, h, i), torch.bfloat16, torch.Generator("cuda").manual_seed(n))
     got, want = run_both(op, args.pop("x"), args, {}, k, i)
@@ -733,5 +744,5 @@ def test_route_triton_nonfinite_logits_gpu(k, renormalize):
 @pytest.mark.parametrize("where", ["gate_up", "down"])
 @pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
 @pytest.mark.parametrize("e", [4, 9], ids=["by-expert", "by-pair"])
-def test_triton_nonfinite_expert_stays_in_its_rows_gpu(e, fmt, where):
+def test_triton_nonfinite_expert_stays_in_its_rows_gpu(e, fmt, where, nvfp4_path):
     check_nonfinite_expert(fmt, where, e, "cuda")
