@@ -1,8 +1,9 @@
 """The ops other than the linears on the GPU: fused MoE (BF16 and NVFP4 experts) and its routing, paged decode
 attention (BF16 and FP8 KV), and the small ops (RMSNorm with its residual, NeoX RoPE, argmax, the embedding
 gather, both cache writes), each Triton provider beside its reference measured in the same run (the peer),
-each figure beside its floor: the bytes the op must move over the copy bandwidth measured at the start. The
-references are timed in the first round only.
+each figure beside its floor: the bytes the op must move over the copy bandwidth measured at the start, and
+its error against the reference (max |difference| over max |reference|, one call). The references are timed in
+the first round only.
 
 Timing as `bench_kernels.py` does it: the median of `do_bench` over CUDA-graph replays of C calls, in
 alternating rounds. The MoE and attention calls each read their own experts or KV blocks (C routings, C block
@@ -179,11 +180,23 @@ def small_cases(ms: list[int]) -> list[tuple]:
     return cases
 
 
+def _error(provs: dict) -> float:
+    """max |triton - reference| / max |reference| of one call of each (the first element of a tuple result);
+    nan for ops that return nothing (the cache writes, checked by the tests)."""
+    got, want = provs["triton"][0](), provs["reference"][0]()
+    got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
+    if got is None:
+        return float("nan")
+    got, want = got.float(), want.float()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
 def run(cases: list[tuple], bw: float, rounds: int, reference: bool) -> list[dict]:
     """Time every case's providers in `rounds` alternating rounds; the references (the peers: MoE's takes up
     to about 0.1 s a call, launch by launch) in the first round only, or not at all without `reference`."""
     times = {(c, p): [] for c in range(len(cases)) for p in cases[c][3] if reference or p != "reference"}
     graphed = {}
+    errs = [_error(provs) for _, _, _, provs in cases]
     for r, order in alternating(list(times), rounds):
         for key in order:
             c, p = key
@@ -206,10 +219,10 @@ def run(cases: list[tuple], bw: float, rounds: int, reference: bool) -> list[dic
                 continue
             us = statistics.median(ts)
             row = dict(op=name, m=m, provider=p, us=us, us_rounds=ts, floor_us=floor, pct_copy_bw=100 * floor / us,
-                       cuda_graph=graphed[(c, p)], peer_us=peer)
+                       cuda_graph=graphed[(c, p)], peer_us=peer, rel_err=errs[c])
             rows.append(row)
             print(f"{name:58s} M={m:<3d} {p:9s} {us:9.2f} us ({min(ts):.2f}-{max(ts):.2f})  floor {floor:8.2f} us "
-                  f"{row['pct_copy_bw']:5.1f}%  reference {peer:9.2f} us"
+                  f"{row['pct_copy_bw']:5.1f}%  reference {peer:9.2f} us  err {errs[c]:.1e}"
                   + ("" if row["cuda_graph"] else "  (launch by launch: not graphed)"), flush=True)
     return rows
 
