@@ -108,13 +108,12 @@ def _with(backend: str, op, *args, **kwargs):
         return op(*args, **kwargs)
 
 
-def attention_cases(ms: list[int]) -> list[tuple]:
-    """(name, batch, floor bytes, {provider: calls}) for paged decode attention with the output gate, BF16 and
-    FP8 KV (per-token scales), every sequence at the same context; each call its own blocks. The floor counts
-    K and V of the contexts (and FP8's scales), q, the gate and out."""
+def attention_setups(ms: list[int]):
+    """(name, batch, floor bytes, [each call's operands]) for paged decode attention with the output gate, BF16
+    and FP8 KV (per-token scales), every sequence at the same context; each call its own blocks. The floor
+    counts K and V of the contexts (and FP8's scales), q, the gate and out."""
     hq, hkv, d, ctx, bs = QWEN3_NEXT_ATTN.values()
     gen = torch.Generator(DEVICE).manual_seed(1)
-    cases = []
     per_seq = ctx // bs
     for b in ms:
         blocks = CALLS * b * per_seq
@@ -134,13 +133,19 @@ def attention_cases(ms: list[int]) -> list[tuple]:
                 ks = torch.rand(shape[:3], device=DEVICE, generator=gen) + 0.5
                 vs = torch.rand(shape[:3], device=DEVICE, generator=gen) + 0.5
             per_token = (nbytes(kc[0, 0]) + nbytes(vc[0, 0]) + (nbytes(ks[0, 0]) * 2 if ks is not None else 0))
-            floor = b * ctx * per_token + 3 * nbytes(q)
-            outs = [torch.empty_like(q) for _ in range(CALLS)]
-            calls = [(q, kc, vc, tables[c], lens, d ** -0.5, gate, ks, vs) for c in range(CALLS)]
-            cases.append((f"paged_decode_attention {kv} KV, {hq}/{hkv} heads x {d}, context {ctx}", b, floor,
-                          {"triton": [lambda a=a, o=o: _with("triton", paged_decode_attention, *a, out=o)
-                                      for a, o in zip(calls, outs)],
-                           "reference": [lambda a=a: paged_decode_attention.reference(*a) for a in calls]}))
+            yield (f"paged_decode_attention {kv} KV, {hq}/{hkv} heads x {d}, context {ctx}", b,
+                   b * ctx * per_token + 3 * nbytes(q),
+                   [(q, kc, vc, tables[c], lens, d ** -0.5, gate, ks, vs) for c in range(CALLS)])
+
+
+def attention_cases(ms: list[int]) -> list[tuple]:
+    """(name, batch, floor bytes, {provider: calls}): `attention_setups` through the op and its reference."""
+    cases = []
+    for name, b, floor, calls in attention_setups(ms):
+        outs = [torch.empty_like(a[0]) for a in calls]
+        cases.append((name, b, floor, {"triton": [lambda a=a, o=o: _with("triton", paged_decode_attention, *a, out=o)
+                                                  for a, o in zip(calls, outs)],
+                                       "reference": [lambda a=a: paged_decode_attention.reference(*a) for a in calls]}))
     return cases
 
 
