@@ -528,15 +528,16 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
 
 @triton.jit
 def _pair_owner(ids_ptr, pair, E, TOP_K: tl.constexpr, KP: tl.constexpr):
-    """(row, slot, expert id int64, owned) of a (row, slot) pair: owned when its id lies in [0, E) and no earlier
-    slot of its row holds it (as `_expert_rows`: a row that repeats an expert counts it once)."""
+    """(row, slot, expert id int64, owned, the row's ids [KP]) of a (row, slot) pair: owned when its id lies in
+    [0, E) and no earlier slot of its row holds it (as `_expert_rows`: a row that repeats an expert counts it
+    once)."""
     n = pair // TOP_K
     j = pair % TOP_K
     slots = tl.arange(0, KP)
     row_ids = tl.load(ids_ptr + n * TOP_K + slots, mask=slots < TOP_K, other=-1)                 # [KP]
     e = tl.load(ids_ptr + pair)
     first = tl.min(tl.where(row_ids == e, slots, KP), axis=0)
-    return n, j, e, (e >= 0) & (e < E) & (first == j)
+    return n, j, e, (e >= 0) & (e < E) & (first == j), row_ids
 
 
 @triton.jit
@@ -548,7 +549,7 @@ def _moe_gate_up_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, H, I, E
     (`_pair_owner`), as GEMVs (`gemv_nvfp4_step`): at a decode step's few rows most experts serve one row, and
     the dot kernel's 16 rows a group would be mostly padding."""
     pair = tl.program_id(0)
-    n, j, e, owned = _pair_owner(ids_ptr, pair, E, TOP_K, KP)
+    n, j, e, owned, _ = _pair_owner(ids_ptr, pair, E, TOP_K, KP)
     if owned:
         e64 = e.to(tl.int64)
         ii = tl.program_id(1) * BI + tl.arange(0, BI)
@@ -576,14 +577,13 @@ def _moe_down_gemv_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, part_ptr,
     row's weights of expert e summed; zero where the pair is not its expert's owner (`_pair_owner`). One program
     per (pair, tile of BHO output columns); `_moe_blend_kernel` sums the slots in order and blends."""
     pair = tl.program_id(0)
-    n, j, e, owned = _pair_owner(ids_ptr, pair, E, TOP_K, KP)
+    n, j, e, owned, row_ids = _pair_owner(ids_ptr, pair, E, TOP_K, KP)
     oo = tl.program_id(1) * BHO + tl.arange(0, BHO)
     o_ok = oo < H
     val = tl.zeros([BHO], tl.float32)
     if owned:
         e64 = e.to(tl.int64)
         slots = tl.arange(0, KP)
-        row_ids = tl.load(ids_ptr + n * TOP_K + slots, mask=slots < TOP_K, other=-1)
         tw = tl.load(tw_ptr + n * TOP_K + slots, mask=slots < TOP_K, other=0.0)
         weight = tl.sum(tl.where(row_ids == e, tw, 0.0), axis=0)
         d_rows = w_ptr + e64 * stride_we + oo[:, None].to(tl.int64) * stride_wn                     # [BHO, 1]

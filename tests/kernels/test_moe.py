@@ -48,12 +48,18 @@ def scaled_close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=tol * ref.float().abs().max().item())
 
 
-@pytest.fixture(params=["gemv", "dot"])
+@pytest.fixture
 def nvfp4_path(request, monkeypatch):
-    """NVFP4 experts through the GEMV kernels (every shape here has at most GEMV_MAX_ROWS rows) or through the
-    dot kernels (GEMV_MAX_ROWS 0): both paths, whatever the rows."""
+    """NVFP4 experts through the GEMV kernels (request.param "gemv": up to 32 rows, the default) or through the
+    dot kernels ("dot": GEMV_MAX_ROWS 0), whatever the rows; set by the parametrizations below."""
     monkeypatch.setattr(moe, "GEMV_MAX_ROWS", 32 if request.param == "gemv" else 0)
     return request.param
+
+
+# Both NVFP4 paths, and the unquantized experts once (the path does not apply to them)
+NVFP4_PATHS = pytest.mark.parametrize("nvfp4_path", ["gemv", "dot"], indirect=True)
+FMT_PATHS = pytest.mark.parametrize("fmt,nvfp4_path", [("unq", "gemv"), ("nvfp4", "gemv"), ("nvfp4", "dot")],
+                                    indirect=["nvfp4_path"], ids=["unq", "nvfp4-gemv", "nvfp4-dot"])
 
 
 def tied_logits(n: int, e: int, gen: torch.Generator) -> torch.Tensor:
@@ -366,6 +372,7 @@ def test_fused_moe_triton_matches_reference(shape, shared, dtype):
     scaled_close(got, want, TOL[dtype])
 
 
+@NVFP4_PATHS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_fused_moe_nvfp4_triton_matches_reference(shape, dtype, nvfp4_path):
@@ -454,7 +461,7 @@ def padded_experts(fmt: str, e: int, h: int, i: int, gen) -> tuple[object, dict[
     return moe.fused_moe_nvfp4, {name: t[1:-1] for name, t in q.items()}
 
 
-@pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
+@FMT_PATHS
 @pytest.mark.parametrize("e", [4, 9], ids=["by-expert", "by-pair"])
 def test_triton_skips_expert_ids_out_of_range(e, fmt, nvfp4_path):
     """Ids -1 and E contribute nothing and read nothing outside the weights; valid pairs match the reference."""
@@ -483,7 +490,7 @@ def test_reference_refuses_expert_ids_out_of_range(bad_id):
         moe.fused_moe_nvfp4(x, **nvfp4_experts(4, 32, 32, gen), topk_weights=weights, topk_ids=ids)
 
 
-@pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
+@FMT_PATHS
 @pytest.mark.parametrize("e", [4, 12], ids=["by-expert", "by-pair"])
 def test_fused_moe_triton_repeated_ids_in_a_row(e, fmt, nvfp4_path):
     """A row that names an expert twice or three times (k 3) gets the reference's result, the expert
@@ -535,7 +542,7 @@ def check_nonfinite_expert(fmt: str, where: str, e: int, device: str) -> None:
 
 
 @pytest.mark.parametrize("where", ["gate_up", "down"])
-@pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
+@FMT_PATHS
 @pytest.mark.parametrize("e", [4, 9], ids=["by-expert", "by-pair"])
 def test_triton_nonfinite_expert_stays_in_its_rows(e, fmt, where, nvfp4_path):
     check_nonfinite_expert(fmt, where, e, "cpu")
@@ -563,9 +570,10 @@ def moe_call(fmt: str, shape, dtype, gen) -> tuple[object, dict[str, torch.Tenso
 # Past one group of 32 rows (N 40 and 33: two groups, candidates by expert id and by (row, slot) pair; the
 # row grouping is the same code for both formats) and past one tile along H and I (144: three 64-wide output
 # tiles, two 128-wide chunks of H and of I, five 32-wide tiles of I). Interpreted, a case takes 0.5-2 s.
-@pytest.mark.parametrize("fmt,shape,dtype", [
-    ("unq", (40, 4, 2, 32, 32), torch.bfloat16), ("unq", (33, 33, 1, 32, 32), torch.float32),
-    ("unq", (3, 4, 2, 144, 144), torch.bfloat16), ("nvfp4", (2, 4, 1, 144, 144), torch.bfloat16)],
+@pytest.mark.parametrize("fmt,shape,dtype,nvfp4_path", [
+    ("unq", (40, 4, 2, 32, 32), torch.bfloat16, "gemv"), ("unq", (33, 33, 1, 32, 32), torch.float32, "gemv"),
+    ("unq", (3, 4, 2, 144, 144), torch.bfloat16, "gemv"), ("nvfp4", (2, 4, 1, 144, 144), torch.bfloat16, "gemv"),
+    ("nvfp4", (2, 4, 1, 144, 144), torch.bfloat16, "dot")], indirect=["nvfp4_path"],
     ids=lambda v: shape_id(v) if isinstance(v, tuple) else str(v).removeprefix("torch."))
 def test_triton_past_one_row_group_and_one_tile(fmt, shape, dtype, nvfp4_path):
     op, args = moe_call(fmt, shape, dtype, torch.Generator().manual_seed(sum(shape)))
@@ -720,7 +728,7 @@ def test_route_triton_qwen3_next_gpu(n):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
+@FMT_PATHS
 @pytest.mark.parametrize("n", [1, 8, 32, 40])
 def test_fused_moe_triton_qwen3_next_gpu(n, fmt, nvfp4_path):
     e, k, h, i = QWEN3_NEXT.values()
@@ -742,7 +750,7 @@ def test_route_triton_nonfinite_logits_gpu(k, renormalize):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("where", ["gate_up", "down"])
-@pytest.mark.parametrize("fmt", ["unq", "nvfp4"])
+@FMT_PATHS
 @pytest.mark.parametrize("e", [4, 9], ids=["by-expert", "by-pair"])
 def test_triton_nonfinite_expert_stays_in_its_rows_gpu(e, fmt, where, nvfp4_path):
     check_nonfinite_expert(fmt, where, e, "cuda")
