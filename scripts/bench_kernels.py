@@ -66,18 +66,19 @@ def copy_bandwidth() -> float:
 def copy_bandwidth_net(pairs: int = MIN_CALLS, pair_bytes: int = 2**26) -> float:
     """`copy_bandwidth` without the fixed cost of a sample, timed as the kernels' rows are (`net_us`): a graph
     of `pairs` copies of pair_bytes each, every copy its own source and destination (together past the L2, as the
-    kernels' weight copies are), against a graph of them twice. Prints T_C and T_2C, so that a figure that cannot
-    be (net below gross) can be read back to them. (The eighteenth run's version, one 2 GiB copy graphed once and
-    twice, gave 2.72 TB/s net against 4.25 gross: a shape unlike any row it served as the floor of.)"""
+    kernels' weight copies are), against a graph of them twice. Prints T_C and the net time of a copy, so that a
+    figure that cannot be (net below gross) can be read back to them. (The eighteenth run's version, one 2 GiB
+    copy graphed once and twice, gave 2.72 TB/s net against 4.25 gross: a shape unlike any row it served as the
+    floor of.)"""
     bufs = [(torch.randn(pair_bytes // 4, device="cuda"), torch.empty(pair_bytes // 4, device="cuda"))
             for _ in range(pairs)]
     calls = [lambda s=s, d=d: d.copy_(s) for s, d in bufs]
     one = replay_us(calls, 50, 300)
-    two = replay_us(calls + calls, 50, 300)
-    moved = 2 * pair_bytes * pairs                                   # read + write, one pass
-    print(f"# net copy: {pairs} copies of {pair_bytes >> 20} MiB, T_C {one:.1f} us ({moved / one / 1e6:.3f} TB/s "
-          f"gross), T_2C {two:.1f} us", flush=True)
-    return moved / ((two - one) * 1e-6)
+    net = net_us(calls, one, 50, 300)                                # one copy, us
+    gross = 2 * pair_bytes * pairs / one / 1e6                        # TB/s
+    print(f"# net copy: {pairs} copies of {pair_bytes >> 20} MiB, T_C {one:.1f} us ({gross:.3f} TB/s gross), "
+          f"{net:.2f} us a copy net", flush=True)
+    return 2 * pair_bytes / (net * 1e-6)                             # read + write
 
 
 def replay_us(calls: list, warmup: int = 25, rep: int = 200) -> float:

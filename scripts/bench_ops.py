@@ -26,8 +26,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import alternating, copy_bandwidth, graph_time_us  # noqa: E402
+from bench_kernels import alternating, copy_bandwidth, graph_time_us, weight_bytes  # noqa: E402
 
+from mtpfactory import ops  # noqa: E402
 from mtpfactory.kernels.argmax import argmax  # noqa: E402
 from mtpfactory.kernels.embedding import embedding  # noqa: E402
 from mtpfactory.kernels.moe import fused_moe, fused_moe_nvfp4, moe_route_softmax  # noqa: E402
@@ -46,7 +47,7 @@ BF16 = torch.bfloat16
 
 
 def nbytes(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+    return weight_bytes(tuple(t for t in ts if t is not None))
 
 
 def _routings(n: int, e: int, k: int, gen) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -68,8 +69,10 @@ def moe_cases(ms: list[int]) -> list[tuple]:
     w_dn = torch.randn(e, h, i, device=DEVICE, dtype=BF16, generator=gen) * i ** -0.5
     # NVFP4 experts from random codes and scales (the kernels' work does not depend on the values): scales
     # 2^-3 .. 2^1 as E4M3 bytes (exponent fields 4 .. 8), globals that keep the outputs O(1)
-    scale = lambda *s: ((torch.randint(4, 9, s, device=DEVICE, generator=gen) << 3)          # noqa: E731
-                        | torch.randint(0, 8, s, device=DEVICE, generator=gen)).to(torch.uint8).view(torch.float8_e4m3fn)
+    def scale(*s):
+        bits = (torch.randint(4, 9, s, device=DEVICE, generator=gen) << 3) | torch.randint(0, 8, s, device=DEVICE,
+                                                                                          generator=gen)
+        return bits.to(torch.uint8).view(torch.float8_e4m3fn)
     q = dict(gu_weight=torch.randint(0, 256, (e, 2 * i, h // 2), device=DEVICE, dtype=torch.uint8, generator=gen),
              gu_scale=scale(e, 2 * i, h // 16),
              gu_global=torch.full((e, 2), 1 / (3 * h ** 0.5), device=DEVICE),
@@ -103,7 +106,6 @@ def moe_cases(ms: list[int]) -> list[tuple]:
 
 
 def _with(backend: str, op, *args, **kwargs):
-    from mtpfactory import ops
     with ops.use_backend(backend):
         return op(*args, **kwargs)
 
@@ -169,17 +171,16 @@ def small_cases(ms: list[int]) -> list[tuple]:
         ids = torch.randint(0, v, (m,), device=DEVICE, generator=gen)
         kv = torch.randn(m, hkv, d, device=DEVICE, dtype=BF16, generator=gen)
         slots = torch.randperm(blocks * bs, device=DEVICE, generator=gen)[:m]
-        todo = {
-            f"rms_norm + residual H={h}": (4 * nbytes(x) + nbytes(w), rms_norm, (x, w, 1e-6, True, res), {}),
-            f"rope_neox {hq} x {d}, rotary {d // 4}": (2 * nbytes(qk) + nbytes(pos), rope_neox, (qk, pos, inv_freq), {}),
-            f"argmax V={v} fp32": (nbytes(logits) + 8 * m, argmax, (logits,), {}),
-            f"embedding V={v} H={h}": (2 * nbytes(x) + nbytes(ids), embedding, (ids, table), {}),
-            f"reshape_and_cache bf16 {hkv} x {d}": (4 * nbytes(kv), reshape_and_cache, (kv, kv, kc, vc, slots), {}),
-            f"reshape_and_cache_fp8 {hkv} x {d}, per-token scales": (2 * nbytes(kv) + nbytes(kv) + 8 * m * hkv,
-                                                                reshape_and_cache_fp8,
-                                                                (kv, kv, k8, v8, slots, *s8), {}),
+        todo = {                                          # name: (floor bytes, op, arguments)
+            f"rms_norm + residual H={h}": (4 * nbytes(x) + nbytes(w), rms_norm, (x, w, 1e-6, True, res)),
+            f"rope_neox {hq} x {d}, rotary {d // 4}": (2 * nbytes(qk) + nbytes(pos), rope_neox, (qk, pos, inv_freq)),
+            f"argmax V={v} fp32": (nbytes(logits) + 8 * m, argmax, (logits,)),
+            f"embedding V={v} H={h}": (2 * nbytes(x) + nbytes(ids), embedding, (ids, table)),
+            f"reshape_and_cache bf16 {hkv} x {d}": (4 * nbytes(kv), reshape_and_cache, (kv, kv, kc, vc, slots)),
+            f"reshape_and_cache_fp8 {hkv} x {d}, per-token scales": (3 * nbytes(kv) + 8 * m * hkv,
+                                                                reshape_and_cache_fp8, (kv, kv, k8, v8, slots, *s8)),
         }
-        for name, (floor, op, args, kw) in todo.items():
+        for name, (floor, op, args) in todo.items():
             cases.append((name, m, floor, {"triton": [lambda op=op, a=args: _with("triton", op, *a)] * CALLS,
                                            "reference": [lambda op=op, a=args: op.reference(*a)] * CALLS}))
     return cases
