@@ -3,7 +3,8 @@ attention (BF16 and FP8 KV), and the small ops (RMSNorm with its residual, NeoX 
 gather, both cache writes), each Triton provider beside its reference measured in the same run (the peer),
 each figure beside its floor: the bytes the op must move over the copy bandwidth measured at the start, and
 its error against the reference (max |difference| over max |reference|, one call). The references are timed in
-the first round only.
+the first round only. Where the NVFP4 experts run as GEMVs (N <= `moe.GEMV_MAX_ROWS`), the dot kernels they
+replace are timed beside them (`triton-dot`).
 
 Timing as `bench_kernels.py` does it: the median of `do_bench` over CUDA-graph replays of C calls, in
 alternating rounds. The MoE and attention calls each read their own experts or KV blocks (C routings, C block
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import alternating, copy_bandwidth, graph_time_us, weight_bytes  # noqa: E402
 
 from mtpfactory import ops  # noqa: E402
+from mtpfactory.kernels import moe  # noqa: E402
 from mtpfactory.kernels.argmax import argmax  # noqa: E402
 from mtpfactory.kernels.embedding import embedding  # noqa: E402
 from mtpfactory.kernels.moe import fused_moe, fused_moe_nvfp4, moe_route_softmax  # noqa: E402
@@ -48,6 +50,18 @@ BF16 = torch.bfloat16
 
 def nbytes(*ts) -> int:
     return weight_bytes(tuple(t for t in ts if t is not None))
+
+
+def _dot_path(call):
+    """`call` with the NVFP4 experts on the dot kernels whatever its rows (`moe.GEMV_MAX_ROWS` 0 while it
+    launches; a graph captures the launches, so its replays keep the path)."""
+    def run():
+        rows, moe.GEMV_MAX_ROWS = moe.GEMV_MAX_ROWS, 0
+        try:
+            return call()
+        finally:
+            moe.GEMV_MAX_ROWS = rows
+    return run
 
 
 def _routings(n: int, e: int, k: int, gen) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -96,8 +110,10 @@ def moe_cases(ms: list[int]) -> list[tuple]:
                     for (w, d), o in zip(routes, outs)]
             ref = [lambda op=op, x=x, args=args, w=w, d=d: op.reference(x, **args, topk_weights=w, topk_ids=d)
                    for w, d in routes]
-            cases.append((f"fused_moe {fmt} E={e} k={k} H={h} I={i}", m, distinct * per_expert[fmt] + io,
-                          {"triton": fast, "reference": ref}))
+            provs = {"triton": fast, "reference": ref}
+            if fmt == "nvfp4" and m <= moe.GEMV_MAX_ROWS:   # the provider's GEMVs here: the dot kernels beside them
+                provs["triton-dot"] = [_dot_path(c) for c in fast]
+            cases.append((f"fused_moe {fmt} E={e} k={k} H={h} I={i}", m, distinct * per_expert[fmt] + io, provs))
         logits = [torch.randn(m, e, device=DEVICE, dtype=BF16, generator=gen) for _ in range(CALLS)]
         cases.append((f"moe_route_softmax E={e} k={k}", m, nbytes(logits[0]) + m * k * 12,
                       {"triton": [lambda lg=lg, k=k: _with("triton", moe_route_softmax, lg, k, True) for lg in logits],
@@ -186,10 +202,10 @@ def small_cases(ms: list[int]) -> list[tuple]:
     return cases
 
 
-def _error(provs: dict) -> float:
-    """max |triton - reference| / max |reference| of one call of each (the first element of a tuple result);
-    nan for ops that return nothing (the cache writes, checked by the tests)."""
-    got, want = provs["triton"][0](), provs["reference"][0]()
+def _error(provs: dict, p: str) -> float:
+    """max |p - reference| / max |reference| of one call of each (the first element of a tuple result); nan
+    for ops that return nothing (the cache writes, checked by the tests)."""
+    got, want = provs[p][0](), provs["reference"][0]()
     got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
     if got is None:
         return float("nan")
@@ -202,7 +218,7 @@ def run(cases: list[tuple], bw: float, rounds: int, reference: bool) -> list[dic
     to about 0.1 s a call, launch by launch) in the first round only, or not at all without `reference`."""
     times = {(c, p): [] for c in range(len(cases)) for p in cases[c][3] if reference or p != "reference"}
     graphed = {}
-    errs = [_error(provs) for _, _, _, provs in cases]
+    errs = {(c, p): _error(provs, p) for c, (_, _, _, provs) in enumerate(cases) for p in provs if p != "reference"}
     for r, order in alternating(list(times), rounds):
         for key in order:
             c, p = key
@@ -225,10 +241,10 @@ def run(cases: list[tuple], bw: float, rounds: int, reference: bool) -> list[dic
                 continue
             us = statistics.median(ts)
             row = dict(op=name, m=m, provider=p, us=us, us_rounds=ts, floor_us=floor, pct_copy_bw=100 * floor / us,
-                       cuda_graph=graphed[(c, p)], peer_us=peer, rel_err=errs[c])
+                       cuda_graph=graphed[(c, p)], peer_us=peer, rel_err=errs.get((c, p), float("nan")))
             rows.append(row)
-            print(f"{name:58s} M={m:<3d} {p:9s} {us:9.2f} us ({min(ts):.2f}-{max(ts):.2f})  floor {floor:8.2f} us "
-                  f"{row['pct_copy_bw']:5.1f}%  reference {peer:9.2f} us  err {errs[c]:.1e}"
+            print(f"{name:58s} M={m:<3d} {p:10s} {us:9.2f} us ({min(ts):.2f}-{max(ts):.2f})  floor {floor:8.2f} us "
+                  f"{row['pct_copy_bw']:5.1f}%  reference {peer:9.2f} us  err {row['rel_err']:.1e}"
                   + ("" if row["cuda_graph"] else "  (launch by launch: not graphed)"), flush=True)
     return rows
 
