@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, out_or_empty, triton_can_run, write_out
+from mtpfactory.ops import Op, out_or_empty, write_out
 
 
 def _argmax_shape_refusal(logits: torch.Tensor) -> InputError | None:
@@ -120,13 +120,6 @@ def argmax_refusal(logits: torch.Tensor, chunk: int | None = None) -> InputError
     return None
 
 
-def _argmax_supports(logits, out=None) -> bool:
-    """Through the op, `chunk` (the provider's tuning argument) is not taken: the reference has none, so a call
-    means the same under every backend. Tests and sweeps pass it to `argmax_triton` itself."""
-    tensors = [t for t in (logits, out) if t is not None]
-    return triton_can_run(*tensors) and argmax_refusal(logits) is None
-
-
 def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """The reference's contract; `out` (optional, any stride): int64 [B]; `chunk`: V elements per first-stage
     program (a power of two; None: the op's, `_chunk_for`). Operands as `argmax_refusal` says."""
@@ -157,7 +150,9 @@ def argmax_launch(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: 
 
 
 def _argmax_call_refusal(logits, out=None):
+    """Through the op, `chunk` (the provider's tuning argument) is not taken: the reference has none, so a call
+    means the same under every backend. Tests and sweeps pass it to `argmax_triton` itself."""
     return argmax_refusal(logits)
 
 
-argmax.register_provider("triton", argmax_launch, _argmax_supports, _argmax_call_refusal)
+argmax.register_provider("triton", argmax_launch, _argmax_call_refusal)

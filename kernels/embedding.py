@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, check_indices, out_or_empty, triton_can_run, write_out
+from mtpfactory.ops import Op, check_indices, out_or_empty, write_out
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -96,11 +96,6 @@ def embedding_refusal(ids: torch.Tensor, table: torch.Tensor) -> InputError | No
     return None
 
 
-def _embedding_supports(ids, table, out=None) -> bool:
-    tensors = [t for t in (ids, table, out) if t is not None]
-    return triton_can_run(*tensors) and embedding_refusal(ids, table) is None
-
-
 def embedding_triton(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's contract, except for an id outside [0, V): the reference refuses it, which takes a sync;
     this provider writes a row of zeros for it. `out` (optional, any strides): [N, H] in table's dtype.
@@ -129,4 +124,4 @@ def _embedding_call_refusal(ids, table, out=None):
     return embedding_refusal(ids, table)
 
 
-embedding.register_provider("triton", embedding_launch, _embedding_supports, _embedding_call_refusal)
+embedding.register_provider("triton", embedding_launch, _embedding_call_refusal)

@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mtpfactory import ops
 from mtpfactory.errors import InputError, MtpfError, WeightsError
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op
 
 MAX_M = 32
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -606,10 +606,6 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor,
     return None
 
 
-def _linear_triton_supports(x: torch.Tensor, weight: torch.Tensor, split_work: bool = True) -> bool:
-    return triton_can_run(x, weight) and operand_refusal(x, weight) is None
-
-
 def _linear_triton_op(x: torch.Tensor, weight: torch.Tensor, split_work: bool = True) -> torch.Tensor:
     return _linear_launch(x, weight, split_work, None, None, None)
 
@@ -618,4 +614,4 @@ def _linear_triton_refusal(x: torch.Tensor, weight: torch.Tensor, split_work: bo
     return operand_refusal(x, weight)
 
 
-linear.register_provider("triton", _linear_triton_op, _linear_triton_supports, _linear_triton_refusal)
+linear.register_provider("triton", _linear_triton_op, _linear_triton_refusal)

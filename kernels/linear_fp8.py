@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from mtpfactory.kernels.linear import GemvPlan, _linear_launch, linear_triton, operand_refusal
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op
 
 
 def _linear_fp8_native(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -30,11 +30,6 @@ def linear_fp8_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     return linear_triton(x, weight, split_k=split_k, out=out, plan=plan, weight_scale=weight_scale)
 
 
-def _linear_fp8_supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         split_work: bool = True) -> bool:
-    return triton_can_run(x, weight, weight_scale) and operand_refusal(x, weight, weight_scale) is None
-
-
 def _linear_fp8_triton_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                           split_work: bool = True) -> torch.Tensor:
     return _linear_launch(x, weight, split_work, None, None, weight_scale)   # the predicate checked the operands
@@ -44,4 +39,4 @@ def _linear_fp8_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     return operand_refusal(x, weight, weight_scale)
 
 
-linear_fp8.register_provider("triton", _linear_fp8_triton_op, _linear_fp8_supports, _linear_fp8_refusal)
+linear_fp8.register_provider("triton", _linear_fp8_triton_op, _linear_fp8_refusal)

@@ -80,7 +80,7 @@ from mtpfactory.kernels.linear import (
     x_refusal,
     x_scan_block,
 )
-from mtpfactory.ops import Op, out_or_empty, triton_can_run
+from mtpfactory.ops import Op, out_or_empty
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
 
 
@@ -1298,12 +1298,6 @@ def _run_planned(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     return out
 
 
-def _linear_nvfp4_supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                           weight_scale_2: torch.Tensor, split_work: bool = True) -> bool:
-    return (triton_can_run(x, weight, weight_scale, weight_scale_2)
-            and operand_refusal(x, weight, weight_scale, weight_scale_2) is None)
-
-
 def _linear_nvfp4_triton_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                             weight_scale_2: torch.Tensor, split_work: bool = True) -> torch.Tensor:
     return _linear_nvfp4_launch(x, weight, weight_scale, weight_scale_2, split_work, None, None, None)
@@ -1314,4 +1308,4 @@ def _linear_nvfp4_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     return operand_refusal(x, weight, weight_scale, weight_scale_2)
 
 
-linear_nvfp4.register_provider("triton", _linear_nvfp4_triton_op, _linear_nvfp4_supports, _linear_nvfp4_refusal)
+linear_nvfp4.register_provider("triton", _linear_nvfp4_triton_op, _linear_nvfp4_refusal)

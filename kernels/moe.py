@@ -55,7 +55,7 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.linear import dot_acc, lowp_dot
 from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, permuted_x
-from mtpfactory.ops import Op, check_out, check_outs, triton_can_run, write_outs
+from mtpfactory.ops import Op, check_out, check_outs, write_outs
 from mtpfactory.quant import dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -654,10 +654,6 @@ def moe_route_softmax_refusal(router_logits: torch.Tensor, top_k: int) -> InputE
     return None
 
 
-def _route_supports(router_logits, top_k, renormalize, **_) -> bool:
-    return triton_can_run(router_logits) and moe_route_softmax_refusal(router_logits, top_k) is None
-
-
 def _route_call_refusal(router_logits, top_k, renormalize, **_) -> InputError | None:
     return moe_route_softmax_refusal(router_logits, top_k)
 
@@ -888,25 +884,9 @@ def _words_refusal(name: str, codes: torch.Tensor) -> InputError | None:
     return None
 
 
-def _fused_moe_supports(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None,
-                        **_) -> bool:
-    extra = [t for t in (shared_out, shared_gate) if t is not None]
-    return (triton_can_run(x, w_gate_up, w_down, topk_weights, topk_ids, *extra)
-            and fused_moe_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate) is None)
-
-
 def _fused_moe_call_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None,
                             **_) -> InputError | None:
     return fused_moe_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate)
-
-
-def _fused_moe_nvfp4_supports(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
-                              topk_ids, shared_out=None, shared_gate=None, **_) -> bool:
-    extra = [t for t in (shared_out, shared_gate) if t is not None]
-    return (triton_can_run(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
-                           topk_ids, *extra)
-            and fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global,
-                                        topk_weights, topk_ids, shared_out, shared_gate) is None)
 
 
 def _fused_moe_nvfp4_call_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
@@ -915,7 +895,6 @@ def _fused_moe_nvfp4_call_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, 
                                    topk_ids, shared_out, shared_gate)
 
 
-moe_route_softmax.register_provider("triton", _route_launch, _route_supports, _route_call_refusal)
-fused_moe.register_provider("triton", _fused_moe_launch, _fused_moe_supports, _fused_moe_call_refusal)
-fused_moe_nvfp4.register_provider("triton", _fused_moe_nvfp4_launch, _fused_moe_nvfp4_supports,
-                                  _fused_moe_nvfp4_call_refusal)
+moe_route_softmax.register_provider("triton", _route_launch, _route_call_refusal)
+fused_moe.register_provider("triton", _fused_moe_launch, _fused_moe_call_refusal)
+fused_moe_nvfp4.register_provider("triton", _fused_moe_nvfp4_launch, _fused_moe_nvfp4_call_refusal)

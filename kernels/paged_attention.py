@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, check_indices, out_or_empty, triton_can_run, write_out
+from mtpfactory.ops import Op, check_indices, out_or_empty, write_out
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
@@ -418,20 +418,10 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     return out
 
 
-def _triton_supports(q, k_cache, v_cache, block_tables, context_lens, scale, gate=None, k_scale=None,
-                     v_scale=None, *, out=None) -> bool:
-    """Through the op, the provider's tuning arguments (num_splits, block_n, num_warps, fast_dot) are not taken:
-    the reference has none, so a call means the same under every backend. Tests and sweeps pass them to
-    `paged_decode_attention_triton` itself."""
-    tensors = [t for t in (q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale)
-               if t is not None]
-    return (triton_can_run(*tensors)
-            and paged_decode_attention_refusal(q, k_cache, v_cache, block_tables, context_lens, scale, gate,
-                                               k_scale, v_scale) is None)
-
-
 paged_decode_attention = Op("paged_decode_attention", _paged_decode_attention_native)
-paged_decode_attention.register_provider("triton", paged_decode_attention_launch, _triton_supports,
-                                         paged_decode_attention_refusal)
+# Through the op, the provider's tuning arguments (num_splits, block_n, num_warps, fast_dot) are not taken: the
+# reference has none, so a call means the same under every backend. Tests and sweeps pass them to
+# `paged_decode_attention_triton` itself.
+paged_decode_attention.register_provider("triton", paged_decode_attention_launch, paged_decode_attention_refusal)
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_refusal", "paged_decode_attention_triton"]

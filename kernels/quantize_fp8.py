@@ -22,7 +22,7 @@ import triton.language as tl
 from mtpfactory import quant
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
 from mtpfactory.errors import WeightsError
-from mtpfactory.ops import Op, check_outs, triton_can_run, write_outs
+from mtpfactory.ops import Op, check_outs, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -128,10 +128,6 @@ def weight_refusal(w: torch.Tensor, name: str) -> WeightsError | None:
     return None
 
 
-def _quantize_fp8_supports(w: torch.Tensor, name: str = "weight", *, out=None) -> bool:
-    return triton_can_run(w, *(out if out is not None else ())) and weight_refusal(w, name) is None
-
-
 def quantize_fp8_triton(w: torch.Tensor, name: str = "weight", *,
                         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton provider of `quantize_fp8`: (weight float8_e4m3fn [N, K], weight_scale fp32 [N]).
@@ -143,6 +139,12 @@ def quantize_fp8_triton(w: torch.Tensor, name: str = "weight", *,
     """
     if err := weight_refusal(w, name):
         raise err
+    return quantize_fp8_launch(w, name, out=out)
+
+
+def quantize_fp8_launch(w: torch.Tensor, name: str = "weight", *,
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_triton` on a weight `weight_refusal` passed (the op's predicate checked it: one check a call)."""
     n, k = w.shape
     if out is not None:
         check_outs(out, (((n, k), torch.float8_e4m3fn), ((n,), torch.float32)), _OUT_NAMES, w.device, "contiguous")
@@ -177,4 +179,4 @@ def _quantize_fp8_refusal(w: torch.Tensor, name: str = "weight", *, out=None) ->
     return weight_refusal(w, name)
 
 
-quantize_fp8.register_provider("triton", quantize_fp8_triton, _quantize_fp8_supports, _quantize_fp8_refusal)
+quantize_fp8.register_provider("triton", quantize_fp8_launch, _quantize_fp8_refusal)

@@ -30,7 +30,7 @@ from mtpfactory.kernels.quantize_fp8 import (
     global_absmax_bits,
     weight_refusal,
 )
-from mtpfactory.ops import Op, check_outs, triton_can_run, write_outs
+from mtpfactory.ops import Op, check_outs, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 from mtpfactory.quant.nvfp4 import E2M1_MAX, NVFP4_BLOCK
 _OUT_NAMES = ("weight", "weight_scale", "weight_scale_2")
@@ -92,10 +92,6 @@ def _refusal(w: torch.Tensor, name: str) -> WeightsError | None:
     return None
 
 
-def _quantize_nvfp4_supports(w: torch.Tensor, name: str = "weight", *, out=None) -> bool:
-    return triton_can_run(w, *(out if out is not None else ())) and _refusal(w, name) is None
-
-
 def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
                           out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,6 +104,13 @@ def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
     """
     if err := _refusal(w, name):
         raise err
+    return quantize_nvfp4_launch(w, name, out=out)
+
+
+def quantize_nvfp4_launch(w: torch.Tensor, name: str = "weight", *,
+                          out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_nvfp4_triton` on a weight `_refusal` passed (the op's predicate checked it: one check a call)."""
     n, k = w.shape
     x = w.contiguous()
     if out is None:
@@ -142,4 +145,4 @@ def _quantize_nvfp4_refusal(w: torch.Tensor, name: str = "weight", *, out=None) 
     return _refusal(w, name)
 
 
-quantize_nvfp4.register_provider("triton", quantize_nvfp4_triton, _quantize_nvfp4_supports, _quantize_nvfp4_refusal)
+quantize_nvfp4.register_provider("triton", quantize_nvfp4_launch, _quantize_nvfp4_refusal)

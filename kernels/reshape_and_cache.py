@@ -8,7 +8,7 @@ import triton.language as tl
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, check_indices, triton_can_run
+from mtpfactory.ops import Op, check_indices
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
 
@@ -197,11 +197,6 @@ def reshape_and_cache_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     return None
 
 
-def _reshape_and_cache_supports(k, v, k_cache, v_cache, slots) -> bool:
-    return (triton_can_run(k, v, k_cache, v_cache, slots)
-            and reshape_and_cache_refusal(k, v, k_cache, v_cache, slots) is None)
-
-
 def reshape_and_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              slots: torch.Tensor) -> None:
     """The reference's contract. k, v may be strided views (slices of a fused QKV) with the last dim
@@ -229,5 +224,4 @@ def reshape_and_cache_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
         num_warps=4)
 
 
-reshape_and_cache.register_provider("triton", reshape_and_cache_launch, _reshape_and_cache_supports,
-                                    reshape_and_cache_refusal)
+reshape_and_cache.register_provider("triton", reshape_and_cache_launch, reshape_and_cache_refusal)

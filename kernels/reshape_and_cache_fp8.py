@@ -21,7 +21,7 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
 from mtpfactory.kernels.reshape_and_cache import (cache_dims_refusal, check_slots, kv_rows_refusal, rows_refusal,
                                                   slot_dtype_refusal)
-from mtpfactory.ops import Op, triton_can_run
+from mtpfactory.ops import Op
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, to_e4m3
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # 448, readable inside @triton.jit
@@ -192,12 +192,6 @@ def reshape_and_cache_fp8_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: tor
     return None
 
 
-def _triton_supports(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None) -> bool:
-    tensors = [t for t in (k, v, k_cache, v_cache, slots, k_scale, v_scale) if t is not None]
-    return (triton_can_run(*tensors)
-            and reshape_and_cache_fp8_refusal(k, v, k_cache, v_cache, slots, k_scale, v_scale) is None)
-
-
 def reshape_and_cache_fp8_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slots: torch.Tensor, k_scale: torch.Tensor | None = None,
                                  v_scale: torch.Tensor | None = None) -> None:
@@ -229,7 +223,7 @@ def reshape_and_cache_fp8_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torc
 
 
 reshape_and_cache_fp8 = Op("reshape_and_cache_fp8", _reshape_and_cache_fp8_native)
-reshape_and_cache_fp8.register_provider("triton", reshape_and_cache_fp8_launch, _triton_supports,
+reshape_and_cache_fp8.register_provider("triton", reshape_and_cache_fp8_launch,
                                         reshape_and_cache_fp8_refusal)
 
 __all__ = ["reshape_and_cache_fp8", "reshape_and_cache_fp8_refusal", "reshape_and_cache_fp8_triton"]

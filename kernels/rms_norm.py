@@ -16,7 +16,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
-from mtpfactory.ops import Op, check_out, triton_can_run
+from mtpfactory.ops import Op, check_out
 
 
 def residual_refusal(x: torch.Tensor, residual: torch.Tensor | None) -> InputError | None:
@@ -118,13 +118,6 @@ def rms_norm_refusal(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
     return None
 
 
-def _rms_norm_supports(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None) -> bool:
-    tensors = [t for t in (x, weight, residual, out, residual_out) if t is not None]
-    return (triton_can_run(*tensors) and rms_norm_refusal(x, weight, residual) is None
-            and (out is None or out.is_contiguous())
-            and (residual_out is None or residual_out.is_contiguous()))
-
-
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     residual_out: torch.Tensor | None = None, x_pairs: XPairs | None = None, pdl: bool = False):
@@ -175,7 +168,15 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
 
 
 def _rms_norm_call_refusal(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None):
-    return rms_norm_refusal(x, weight, residual)
+    """The op's call: `rms_norm_refusal`, and `out` / `residual_out` contiguous (the kernel writes rows H
+    apart; `auto` gives others to the reference, which writes any strides)."""
+    if err := rms_norm_refusal(x, weight, residual):
+        return err
+    for field, t in (("out", out), ("residual_out", residual_out)):
+        if t is not None and not t.is_contiguous():
+            return InputError(field, f"strides {t.stride()} of {list(t.shape)}", "a contiguous tensor (the "
+                              "kernel writes rows H apart)", f"pass a contiguous {field}, or leave {field}=None")
+    return None
 
 
-rms_norm.register_provider("triton", rms_norm_launch, _rms_norm_supports, _rms_norm_call_refusal)
+rms_norm.register_provider("triton", rms_norm_launch, _rms_norm_call_refusal)

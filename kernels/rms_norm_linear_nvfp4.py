@@ -19,13 +19,12 @@ import torch
 from mtpfactory.kernels.linear import x_pass_pdl
 from mtpfactory.kernels.linear_nvfp4 import (
     _linear_nvfp4_native,
-    _linear_nvfp4_supports,
     _run_planned,
     operand_refusal,
     planned,
     x_pairs_for,
 )
-from mtpfactory.kernels.rms_norm import _rms_norm_native, _rms_norm_supports, rms_norm_launch, rms_norm_refusal
+from mtpfactory.kernels.rms_norm import _rms_norm_native, rms_norm_launch, rms_norm_refusal
 from mtpfactory.ops import Op
 
 
@@ -70,18 +69,10 @@ def _rms_norm_linear_nvfp4(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     return (logits, y) if residual is None else (logits, *normed)
 
 
-def _rms_norm_linear_nvfp4_supports(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centred: bool,
-                                    weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
-                                    residual: torch.Tensor | None = None, split_work: bool = True) -> bool:
-    return (x.dim() == 2 and _rms_norm_supports(x, norm_weight, eps, zero_centred, residual)
-            and _linear_nvfp4_supports(x, weight, weight_scale, weight_scale_2))
-
-
 def _rms_norm_linear_nvfp4_refusal(x, norm_weight, eps, zero_centred, weight, weight_scale, weight_scale_2,
                                    residual=None, split_work=True):
     return (rms_norm_refusal(x, norm_weight, residual, "norm_weight")
             or operand_refusal(x, weight, weight_scale, weight_scale_2))
 
 
-rms_norm_linear_nvfp4.register_provider("triton", _rms_norm_linear_nvfp4, _rms_norm_linear_nvfp4_supports,
-                                        _rms_norm_linear_nvfp4_refusal)
+rms_norm_linear_nvfp4.register_provider("triton", _rms_norm_linear_nvfp4, _rms_norm_linear_nvfp4_refusal)

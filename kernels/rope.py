@@ -9,7 +9,7 @@ from triton.language.extra import libdevice
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, out_or_empty, triton_can_run, write_out
+from mtpfactory.ops import Op, out_or_empty, write_out
 
 
 def _rope_neox_shape_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> InputError | None:
@@ -151,11 +151,6 @@ def rope_neox_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
     return None
 
 
-def _rope_neox_supports(x, positions, inv_freq, out=None) -> bool:
-    tensors = [t for t in (x, positions, inv_freq, out) if t is not None]
-    return triton_can_run(*tensors) and rope_neox_refusal(x, positions, inv_freq) is None
-
-
 def rope_neox_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's contract; x may be a strided view (a slice of a fused QKV) with its last dim
@@ -186,4 +181,4 @@ def _rope_neox_call_refusal(x, positions, inv_freq, out=None):
     return rope_neox_refusal(x, positions, inv_freq)
 
 
-rope_neox.register_provider("triton", rope_neox_launch, _rope_neox_supports, _rope_neox_call_refusal)
+rope_neox.register_provider("triton", rope_neox_launch, _rope_neox_call_refusal)

@@ -11,10 +11,12 @@ class MtpfError(ValueError):
 
     def __init__(self, field: str, value: object, allowed: str, fix: str = "") -> None:
         self.field, self.value, self.allowed, self.fix = field, value, allowed, fix
-        msg = f"{field}={_show(value)}: {allowed}"
-        if fix:
-            msg += f". Fix: {fix}"
-        super().__init__(msg)
+        super().__init__(f"{self.what}. Fix: {fix}" if fix else self.what)
+
+    @property
+    def what(self) -> str:
+        """`field=value: allowed`, the error without its fix."""
+        return f"{self.field}={_show(self.value)}: {self.allowed}"
 
 
 class ConfigError(MtpfError):

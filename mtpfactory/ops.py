@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpfactory.errors import ConfigError, InputError, MtpfError, _show
+from mtpfactory.errors import ConfigError, InputError, MtpfError
 from mtpfactory.registry import _qualname, same_definition
 
 log = logging.getLogger(__name__)
@@ -40,12 +40,28 @@ _backend: contextvars.ContextVar[str] = contextvars.ContextVar("mtpfactory_backe
 
 @dataclass(frozen=True)
 class Provider:
+    """A fast provider of an op: `fn` takes the op's arguments. It serves a call (`supports`) when `can_run`
+    accepts every tensor of the call (tuples and lists of tensors included) and `refusal` finds nothing."""
     name: str
     fn: Callable
-    supports: Callable[..., bool]
-    #: why `supports` says no to a call (an MtpfError, or None), asked only to word the error of an explicit
-    #: backend that cannot serve it; providers that have one rule for predicate and provider pass it
-    refusal: Callable[..., Exception | None] | None = None
+    #: why the provider cannot take a call's operands (an MtpfError naming the argument), or None; it takes
+    #: the op's arguments, and words the error of an explicit backend that cannot serve the call
+    refusal: Callable[..., Exception | None]
+    #: whether the provider can launch on these tensors (their devices)
+    can_run: Callable[..., bool]
+
+    def supports(self, *args, **kwargs) -> bool:
+        return self.can_run(*_tensors(args, kwargs)) and self.refusal(*args, **kwargs) is None
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among a call's arguments, and inside its tuple and list arguments (an `out=` triple)."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (tuple, list)) else (a,)):
+            if isinstance(t, torch.Tensor):
+                found.append(t)
+    return found
 
 
 class Op:
@@ -57,16 +73,18 @@ class Op:
         self.providers: dict[str, Provider] = {}
         _OPS[name] = self
 
-    def register_provider(self, name: str, fn: Callable, supports: Callable[..., bool],
-                          refusal: Callable[..., Exception | None] | None = None) -> None:
-        """Attach a fast provider. Registering the same function again (the same object, or the same `def`
-        run again by a module re-import) replaces it; any other function under a taken name is refused."""
+    def register_provider(self, name: str, fn: Callable, refusal: Callable[..., Exception | None],
+                          can_run: Callable[..., bool] | None = None) -> None:
+        """Attach a fast provider: `fn` and `refusal` take the op's arguments; `can_run` (default
+        `triton_can_run`) takes the call's tensors. Registering the same function again (the same object, or the
+        same `def` run again by a module re-import) replaces it; any other function under a taken name is
+        refused."""
         old = self.providers.get(name)
         if old is not None and not same_definition(old.fn, fn):
             raise ConfigError(f"op {self.name} provider", name,
                               f"already registered by {_qualname(old.fn)} ({_where(old.fn)}), not {_where(fn)}",
                               "give the provider another name")
-        self.providers[name] = Provider(name, fn, supports, refusal)
+        self.providers[name] = Provider(name, fn, refusal, can_run or triton_can_run)
 
     def __call__(self, *args, **kwargs):
         backend = _backend.get()
@@ -78,9 +96,12 @@ class Op:
                 return p.fn(*args, **kwargs)
         if backend != "auto":
             p = self.providers.get(backend)
-            why = p.refusal(*args, **kwargs) if p is not None and p.refusal is not None else None
-            because = (f"; it refuses {why.field}={_show(why.value)}: {why.allowed}" if isinstance(why, MtpfError)
-                       else f"; it refuses: {why}" if why is not None else "")
+            why = None if p is None else p.refusal(*args, **kwargs)
+            devices = sorted({str(t.device) for t in _tensors(args, kwargs)})
+            because = ("" if p is None
+                       else f"; it refuses {why.what}" if isinstance(why, MtpfError)
+                       else f"; it refuses: {why}" if why is not None
+                       else f"; {_qualname(p.can_run)} refuses tensors on {', '.join(devices)}")
             raise ConfigError("runtime.backend", backend, f"op {self.name} has no {backend} provider for this call "
                               f"({_describe(args, kwargs)}; providers: {['native', *self.providers]}{because})",
                               "use runtime.backend=auto to fall back to the reference per op")

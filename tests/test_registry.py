@@ -118,10 +118,10 @@ def test_an_op_provider_name_taken_by_another_function_is_refused(monkeypatch):
     lambdas = (lambda x: x + 1,
                lambda x: x + 2)
     for name, first, other in (("lambda", *lambdas), ("closure", make(2), make(3))):
-        op.register_provider(name, first, lambda x: True)
-        op.register_provider(name, first, lambda x: True)  # the same function again: fine
+        op.register_provider(name, first, lambda x: None)
+        op.register_provider(name, first, lambda x: None)  # the same function again: fine
         with pytest.raises(ConfigError, match="already registered"):
-            op.register_provider(name, other, lambda x: True)
+            op.register_provider(name, other, lambda x: None)
         assert op.providers[name].fn is first
 
     # One `def` run twice, as a module re-import runs it: a new object from the same place, which replaces it.
@@ -129,7 +129,7 @@ def test_an_op_provider_name_taken_by_another_function_is_refused(monkeypatch):
     runs = [{"__name__": "user_provider"}, {"__name__": "user_provider"}]
     for namespace in runs:
         exec(code, namespace)
-        op.register_provider("user", namespace["provider"], lambda x: True)
+        op.register_provider("user", namespace["provider"], lambda x: None)
     assert op.providers["user"].fn is runs[1]["provider"]
 
 
@@ -166,9 +166,9 @@ def test_a_different_builder_under_a_taken_name_is_refused_even_with_the_same_qu
     assert registry.get("ffn", "one_line") is a
     monkeypatch.setattr(ops, "_OPS", {})  # a throwaway op, out of the real registry
     op = ops.Op("test_op", lambda x: x)
-    op.register_provider("triton", a, bool)
+    op.register_provider("triton", a, lambda x: None)
     with pytest.raises(ConfigError, match="already registered"):
-        op.register_provider("triton", b, bool)
+        op.register_provider("triton", b, lambda x: None)
 
 
 def test_a_reimported_plugin_module_registers_again(empty_registry):
@@ -216,18 +216,39 @@ def test_a_refused_op_call_names_its_keyword_tensors_too(monkeypatch):
         op(torch.zeros(2, 3), out=torch.zeros(2, 3, dtype=torch.int64))
 
 
-def test_an_explicit_backend_that_cannot_serve_a_call_says_why_where_its_provider_knows(monkeypatch):
-    """A provider registered with its refusal (the rule its predicate applies) has the reason worded into the
-    error of `runtime.backend=triton`; one without says only that it cannot serve the call."""
+def test_an_explicit_backend_that_cannot_serve_a_call_says_why(monkeypatch):
+    """`runtime.backend=triton` on a call its provider refuses: the error words the provider's refusal, or, where
+    the refusal finds nothing, names the device check (`can_run`) that said no and the tensors' devices. `auto`
+    gives both calls to the reference."""
     from mtpfactory.errors import InputError
     monkeypatch.setattr(ops, "_OPS", {})
-    op = ops.Op("test_op_why", lambda x: x)
-    op.register_provider("triton", lambda x: x, lambda x: x.dim() == 2,
-                         lambda x: None if x.dim() == 2 else InputError("x", f"{x.dim()}-D", "a 2-D tensor", "(a test)"))
+    op = ops.Op("test_op_why", lambda x: -x)
+    op.register_provider("triton", lambda x: x,
+                         lambda x: None if x.dim() == 2 else InputError("x", f"{x.dim()}-D", "a 2-D tensor", "(a test)"),
+                         can_run=lambda *ts: True)
+    assert op.providers["triton"].supports(torch.zeros(2, 3)) and not op.providers["triton"].supports(torch.zeros(3))
     with ops.use_backend("triton"), pytest.raises(ConfigError, match=r"it refuses x='1-D': a 2-D tensor\)"):
         op(torch.zeros(3))
-    plain = ops.Op("test_op_plain", lambda x: x)
-    plain.register_provider("triton", lambda x: x, lambda x: False)
-    with ops.use_backend("triton"), pytest.raises(ConfigError) as e:
-        plain(torch.zeros(3))
-    assert "refuses" not in str(e.value)
+
+    def nowhere(*tensors):
+        return False
+
+    elsewhere = ops.Op("test_op_elsewhere", lambda x, *, out=None: -x)
+    elsewhere.register_provider("triton", lambda x, *, out=None: x, lambda x, *, out=None: None, can_run=nowhere)
+    with ops.use_backend("triton"), pytest.raises(ConfigError, match=r"nowhere refuses tensors on cpu\)"):
+        elsewhere(torch.zeros(3), out=torch.zeros(3))
+    with ops.use_backend("auto"):
+        assert op(torch.ones(3)).eq(-1).all() and elsewhere(torch.ones(3)).eq(-1).all()
+
+
+def test_a_provider_takes_a_call_only_where_it_can_run_on_every_tensor_the_call_holds(monkeypatch):
+    """The device check sees every tensor of a call: positional, keyword, and inside tuple or list arguments
+    (an `out=` triple)."""
+    monkeypatch.setattr(ops, "_OPS", {})
+    seen = []
+    op = ops.Op("test_op_tensors", lambda *a, **k: None)
+    op.register_provider("triton", lambda *a, **k: None, lambda *a, **k: None,
+                         can_run=lambda *ts: seen.append(len(ts)) or True)
+    a, b, c, d = (torch.zeros(1) for _ in range(4))
+    assert op.providers["triton"].supports(a, 2.0, "name", out=(b, c), extra=[d], none=None)
+    assert seen == [4]

@@ -9,7 +9,7 @@ import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError
-from mtpfactory.kernels.argmax import _argmax_supports, _chunk_for, argmax, argmax_refusal, argmax_triton
+from mtpfactory.kernels.argmax import _chunk_for, argmax, argmax_refusal, argmax_triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -132,7 +132,7 @@ def test_logits_the_kernel_cannot_take_are_refused_by_the_predicate_the_provider
     out, poison = _poisoned(x.shape[0] if x.dim() > 1 else 1)
     assert argmax_refusal(x).field == "logits"
     with ops.use_backend("triton"):
-        assert not _argmax_supports(x, out)
+        assert not argmax.providers["triton"].supports(x, out)
         with pytest.raises(InputError, match=rf"^logits=.*{allowed}"):
             argmax_triton(x, out=out)
         with pytest.raises(ConfigError, match="op argmax has no triton provider .*it refuses logits="):

@@ -10,7 +10,7 @@ import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError
-from mtpfactory.kernels.embedding import _embedding_supports, embedding, embedding_refusal, embedding_triton
+from mtpfactory.kernels.embedding import embedding, embedding_refusal, embedding_triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -133,7 +133,7 @@ def test_operands_the_kernel_cannot_take_are_refused_by_the_predicate_the_provid
     out, poison = _poisoned_for(ids, table)
     assert embedding_refusal(ids, table).field == field
     with ops.use_backend("triton"):
-        assert not _embedding_supports(ids, table, out)
+        assert not embedding.providers["triton"].supports(ids, table, out)
         with pytest.raises(InputError, match=rf"^{field}=.*{allowed}"):
             embedding_triton(ids, table, out=out)
         with pytest.raises(ConfigError, match=rf"op embedding has no triton provider .*it refuses {field}="):

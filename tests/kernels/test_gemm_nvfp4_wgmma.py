@@ -27,7 +27,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
     uses_f16_gemv,
 )
 from mtpfactory.kernels.rms_norm import rms_norm_triton
-from mtpfactory.kernels.rms_norm_linear_nvfp4 import _rms_norm_linear_nvfp4_supports, rms_norm_linear_nvfp4
+from mtpfactory.kernels.rms_norm_linear_nvfp4 import rms_norm_linear_nvfp4
 from mtpfactory.quant import dequantize_nvfp4
 from gemv_common import F16_SUM_RTOL, SUM_RTOL, assert_matches, nvfp4_inputs, x_pass_reference
 
@@ -217,7 +217,7 @@ def test_the_fused_op_plans_its_pairs_for_a_weight_tma_cannot_read(m, monkeypatc
     norm_w = (0.5 * torch.randn(k, generator=torch.Generator().manual_seed(m))).to(torch.bfloat16)
     args = (x, norm_w, 1e-6, True, shifted, scale, scale_2)
     with ops.use_backend("triton"):
-        assert _rms_norm_linear_nvfp4_supports(*args)
+        assert rms_norm_linear_nvfp4.providers["triton"].supports(*args)
         logits, y = rms_norm_linear_nvfp4(*args)
         assert torch.equal(y, rms_norm_triton(x, norm_w, 1e-6, True))
         assert torch.equal(logits, linear_nvfp4_triton(y, shifted, scale, scale_2, split_k=True))

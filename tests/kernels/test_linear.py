@@ -29,7 +29,6 @@ from mtpfactory.kernels.linear import (
     GemvPlan,
     _has_pdl,
     _linear_native,
-    _linear_triton_supports,
     linear,
     linear_triton,
     make_plan,
@@ -38,7 +37,6 @@ from mtpfactory.kernels.linear import (
     x_pass_pdl,
 )
 from mtpfactory.kernels.linear_fp8 import linear_fp8
-from mtpfactory.ops import Provider
 from gemv_common import DTYPES, MS, SHAPES, assert_matches, explicit_plans, poisoned
 
 linear_module = importlib.import_module("mtpfactory.kernels.linear")   # the package exports the Op as `linear`
@@ -193,7 +191,7 @@ def test_operands_the_kernels_cannot_take_are_refused_by_the_provider_as_by_the_
              ((x, w, torch.ones(7)), r"^weight='torch.float32 .*: a torch.float8_e4m3fn \[N, K = 16\]")]
     for args, match in cases:
         with ops.use_backend("triton"):
-            assert not (_linear_triton_supports(*args) if len(args) == 2 else
+            assert not (linear.providers["triton"].supports(*args) if len(args) == 2 else
                         linear_fp8.providers["triton"].supports(*args))
         out = torch.full((args[0].shape[0] if args[0].dim() == 2 else 1, 7), 7.0, dtype=args[0].dtype)
         with pytest.raises((InputError, WeightsError), match=match):
@@ -206,7 +204,7 @@ def test_a_weight_with_rows_apart_is_taken():
     between rows by its stride, so the predicate takes it and the result is the reference's."""
     x, w = make_inputs(3, 7, 24, torch.float32)
     with ops.use_backend("triton"):
-        assert _linear_triton_supports(x[:, :16], w[:, :16])
+        assert linear.providers["triton"].supports(x[:, :16], w[:, :16])
         y = linear(x[:, :16], w[:, :16])
     assert_matches(y, _linear_native(x[:, :16], w[:, :16]), x[:, :16].abs() @ w[:, :16].abs().T)
 
@@ -288,7 +286,7 @@ def test_op_dispatch_uses_triton_under_triton_backend(monkeypatch):
     calls = []
     p = linear.providers["triton"]
     monkeypatch.setitem(linear.providers, "triton",
-                        Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
+                        dataclasses.replace(p, fn=lambda *a: calls.append(1) or p.fn(*a)))
     x, w = make_inputs(2, 7, 16, torch.bfloat16)
     with ops.use_backend("triton"):
         y = linear(x, w)
@@ -299,16 +297,16 @@ def test_op_dispatch_uses_triton_under_triton_backend(monkeypatch):
 def test_supports_refuses_m_over_32_and_auto_falls_back(monkeypatch):
     x33, w = make_inputs(33, 7, 16, torch.bfloat16)
     with ops.use_backend("triton"):
-        assert _linear_triton_supports(x33[:32], w)
-        assert not _linear_triton_supports(x33, w)
-        assert not _linear_triton_supports(x33[:1], w.float())                  # dtypes differ
-        assert not _linear_triton_supports(x33[:1], w.t().contiguous().t())     # weight not contiguous
+        assert linear.providers["triton"].supports(x33[:32], w)
+        assert not linear.providers["triton"].supports(x33, w)
+        assert not linear.providers["triton"].supports(x33[:1], w.float())                  # dtypes differ
+        assert not linear.providers["triton"].supports(x33[:1], w.t().contiguous().t())     # weight not contiguous
         with pytest.raises(ConfigError, match="linear"):
             linear(x33, w)                                                       # never a silent fallback
     calls = []
     p = linear.providers["triton"]
     monkeypatch.setitem(linear.providers, "triton",
-                        Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
+                        dataclasses.replace(p, fn=lambda *a: calls.append(1) or p.fn(*a)))
     with ops.use_backend("auto"):
         y = linear(x33, w)
     assert calls == [] and torch.equal(y, _linear_native(x33, w))
@@ -372,7 +370,7 @@ def test_gpu_auto_backend_picks_triton(monkeypatch):
     calls = []
     p = linear.providers["triton"]
     monkeypatch.setitem(linear.providers, "triton",
-                        Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
+                        dataclasses.replace(p, fn=lambda *a: calls.append(1) or p.fn(*a)))
     x, w = make_inputs(4, 4096, 2048, torch.bfloat16, device="cuda")
     with ops.use_backend("auto"):
         y = linear(x, w)

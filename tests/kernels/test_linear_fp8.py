@@ -11,6 +11,7 @@ within 2^-25 of its row's largest), so the same bound holds.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -18,8 +19,7 @@ import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError
-from mtpfactory.kernels.linear_fp8 import _linear_fp8_native, _linear_fp8_supports, linear_fp8, linear_fp8_triton
-from mtpfactory.ops import Provider
+from mtpfactory.kernels.linear_fp8 import _linear_fp8_native, linear_fp8, linear_fp8_triton
 from mtpfactory.quant import quantize_fp8
 from gemv_common import DTYPES, assert_matches, assert_pdl_reads_its_own_x, explicit_plans
 
@@ -120,18 +120,18 @@ def test_op_dispatch_and_fallback(monkeypatch):
     calls = []
     p = linear_fp8.providers["triton"]
     monkeypatch.setitem(linear_fp8.providers, "triton",
-                        Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
+                        dataclasses.replace(p, fn=lambda *a: calls.append(1) or p.fn(*a)))
     x, weight, scale = make_inputs(33, 7, 32, torch.bfloat16)
     with ops.use_backend("triton"):
         y = linear_fp8(x[:2], weight, scale)
         assert calls == [1]
         assert_matches(y, _linear_fp8_native(x[:2], weight, scale),
                        x[:2].float().abs() @ (weight.float().abs() * scale[:, None]).T)
-        assert _linear_fp8_supports(x[:32], weight, scale)
-        assert not _linear_fp8_supports(x, weight, scale)                           # M = 33
-        assert not _linear_fp8_supports(x[:1], weight, scale.double())              # scale not fp32
-        assert not _linear_fp8_supports(x[:1], weight, scale[:6])                   # scale not [N]
-        assert not _linear_fp8_supports(x[:1], weight.view(torch.uint8), scale)     # not float8_e4m3fn
+        assert linear_fp8.providers["triton"].supports(x[:32], weight, scale)
+        assert not linear_fp8.providers["triton"].supports(x, weight, scale)                           # M = 33
+        assert not linear_fp8.providers["triton"].supports(x[:1], weight, scale.double())              # scale not fp32
+        assert not linear_fp8.providers["triton"].supports(x[:1], weight, scale[:6])                   # scale not [N]
+        assert not linear_fp8.providers["triton"].supports(x[:1], weight.view(torch.uint8), scale)     # not float8_e4m3fn
         with pytest.raises(ConfigError, match="linear_fp8"):
             linear_fp8(x, weight, scale)
     with ops.use_backend("auto"):
@@ -207,7 +207,7 @@ def test_gpu_auto_backend_picks_triton(monkeypatch):
     calls = []
     p = linear_fp8.providers["triton"]
     monkeypatch.setitem(linear_fp8.providers, "triton",
-                        Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
+                        dataclasses.replace(p, fn=lambda *a: calls.append(1) or p.fn(*a)))
     x, weight, scale = make_inputs(4, 4096, 2048, torch.bfloat16, device="cuda")
     with ops.use_backend("auto"):
         y = linear_fp8(x, weight, scale)

@@ -29,7 +29,6 @@ from mtpfactory.kernels.linear import GemvPlan, make_plan, plan_for
 from mtpfactory.kernels.linear_nvfp4 import (
     _default_plan,
     _linear_nvfp4_native,
-    _linear_nvfp4_supports,
     TILES_NVFP4,
     default_plan,
     linear_nvfp4,
@@ -38,7 +37,6 @@ from mtpfactory.kernels.linear_nvfp4 import (
     uses_f16_dot,
     uses_f16_gemv,
 )
-from mtpfactory.ops import Provider
 from mtpfactory.quant import dequantize_nvfp4
 from gemv_common import (
     DTYPES,
@@ -272,18 +270,18 @@ def test_op_dispatch_and_fallback(monkeypatch):
     calls = []
     p = linear_nvfp4.providers["triton"]
     monkeypatch.setitem(linear_nvfp4.providers, "triton",
-                        Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
+                        dataclasses.replace(p, fn=lambda *a: calls.append(1) or p.fn(*a)))
     x, weight, scale, scale_2 = nvfp4_inputs(33, 7, 32, torch.bfloat16)
     with ops.use_backend("triton"):
         y = linear_nvfp4(x[:2], weight, scale, scale_2)
         assert calls == [1]
         assert_matches(y, _linear_nvfp4_native(x[:2], weight, scale, scale_2),
                        x[:2].float().abs() @ dequantize_nvfp4(weight, scale, scale_2).abs().T)
-        assert _linear_nvfp4_supports(x[:32], weight, scale, scale_2)
-        assert not _linear_nvfp4_supports(x, weight, scale, scale_2)                     # M = 33
-        assert not _linear_nvfp4_supports(x[:1, :16], weight[:, :8].contiguous(), scale, scale_2)  # scale [N, K/8]
-        assert not _linear_nvfp4_supports(x[:1], weight, scale.float(), scale_2)        # scale not E4M3
-        assert not _linear_nvfp4_supports(x[:1, :24], weight[:, :12].contiguous(), scale, scale_2)  # K = 24
+        assert linear_nvfp4.providers["triton"].supports(x[:32], weight, scale, scale_2)
+        assert not linear_nvfp4.providers["triton"].supports(x, weight, scale, scale_2)                     # M = 33
+        assert not linear_nvfp4.providers["triton"].supports(x[:1, :16], weight[:, :8].contiguous(), scale, scale_2)  # scale [N, K/8]
+        assert not linear_nvfp4.providers["triton"].supports(x[:1], weight, scale.float(), scale_2)        # scale not E4M3
+        assert not linear_nvfp4.providers["triton"].supports(x[:1, :24], weight[:, :12].contiguous(), scale, scale_2)  # K = 24
         with pytest.raises(ConfigError, match="linear_nvfp4"):
             linear_nvfp4(x, weight, scale, scale_2)
     with ops.use_backend("auto"):
@@ -342,7 +340,7 @@ def test_operands_are_refused_by_the_provider_as_by_its_predicate():
     for args, name, what in _bad_operands(x, weight, scale, scale_2):
         out = torch.full((3, 7), float("nan"), dtype=torch.bfloat16)
         with ops.use_backend("triton"):
-            assert not _linear_nvfp4_supports(*args), name
+            assert not linear_nvfp4.providers["triton"].supports(*args), name
             with pytest.raises(MtpfError, match=rf"^{name}=.*{what}"):
                 linear_nvfp4_triton(*args, out=out)
         assert out.isnan().all(), name
@@ -356,7 +354,7 @@ def test_k_zero_is_zeros_on_both_providers(m):
     w = (torch.empty(5, 0, dtype=torch.uint8), torch.empty(5, 0, dtype=torch.float8_e4m3fn), torch.tensor(1.0))
     out = torch.full((m, 5), float("nan"), dtype=torch.bfloat16)
     with ops.use_backend("triton"):
-        assert _linear_nvfp4_supports(x, *w)
+        assert linear_nvfp4.providers["triton"].supports(x, *w)
         assert linear_nvfp4_triton(x, *w, out=out) is out
     assert torch.equal(out, _linear_nvfp4_native(x, *w))
 
@@ -388,7 +386,7 @@ def test_gpus_before_sm_90_are_refused(monkeypatch):
     monkeypatch.setattr(linear_nvfp4_module, "device_refusal",
                         lambda device: seen.append(device) or InputError("x.device", str(device), "(a test)"))
     with ops.use_backend("triton"):
-        assert not _linear_nvfp4_supports(x, weight, scale, scale_2)
+        assert not linear_nvfp4.providers["triton"].supports(x, weight, scale, scale_2)
     with pytest.raises(InputError, match=r"x.device='cpu': \(a test\)"):
         linear_nvfp4_triton(x, weight, scale, scale_2)
     assert seen == [x.device, x.device]
@@ -495,7 +493,7 @@ def test_weight_rows_must_start_on_words():
     assert torch.equal(out, linear_nvfp4_triton(x, weight, scale, scale_2))
     shifted = torch.zeros(7 * 16 + 1, dtype=torch.uint8)[1:].view(7, 16)    # contiguous, one byte off a word
     shifted.copy_(weight)
-    assert not _linear_nvfp4_supports(x, shifted, scale, scale_2)             # `auto` takes the reference
+    assert not linear_nvfp4.providers["triton"].supports(x, shifted, scale, scale_2)             # `auto` takes the reference
     with pytest.raises(ValueError, match="4-byte boundaries"):
         linear_nvfp4_triton(x, shifted, scale, scale_2)
 
@@ -638,7 +636,7 @@ def test_gpu_auto_backend_picks_triton(monkeypatch):
     calls = []
     p = linear_nvfp4.providers["triton"]
     monkeypatch.setitem(linear_nvfp4.providers, "triton",
-                        Provider("triton", lambda *a: calls.append(1) or p.fn(*a), p.supports))
+                        dataclasses.replace(p, fn=lambda *a: calls.append(1) or p.fn(*a)))
     x, weight, scale, scale_2 = nvfp4_inputs(4, 4096, 2048, torch.bfloat16, device="cuda")
     with ops.use_backend("auto"):
         y = linear_nvfp4(x, weight, scale, scale_2)

@@ -8,7 +8,7 @@ import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError
-from mtpfactory.kernels.rms_norm import _rms_norm_supports, rms_norm, rms_norm_triton
+from mtpfactory.kernels.rms_norm import rms_norm, rms_norm_triton
 from norm_cases import NORM_CASES, bad_norm_operands
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -102,8 +102,9 @@ def test_out_means_the_same_on_every_provider():
     strided = torch.full((64, 3), float("nan"), dtype=torch.bfloat16).T
     assert rms_norm.reference(x, w, 1e-6, True, out=strided) is strided
     assert torch.equal(strided, rms_norm.reference(x, w, 1e-6, True))
-    with ops.use_backend("triton"), pytest.raises(ConfigError, match="rms_norm"):
-        rms_norm(x, w, 1e-6, True, out=strided)
+    for field, kw in (("out", dict(out=strided)), ("residual_out", dict(residual_out=strided))):
+        with ops.use_backend("triton"), pytest.raises(ConfigError, match=rf"rms_norm .*it refuses {field}=.*contiguous"):
+            rms_norm(x, w, 1e-6, True, res, **kw)
     for backend in ("native", "triton"):
         wrong = torch.full((3, 32), float("nan"), dtype=torch.bfloat16)
         with ops.use_backend(backend), pytest.raises(InputError, match=r"out='bfloat16 \[3, 32\] on cpu"):
@@ -120,7 +121,7 @@ def test_operands_the_kernel_cannot_take_are_refused_by_the_provider_as_by_the_p
     (xi, wi, ri), field, message = bad_norm_operands(x, torch.randn(48, generator=gen).to(torch.bfloat16), res)[case]
     out, res_out = poisoned(x), poisoned(x)
     with ops.use_backend("triton"):
-        assert not _rms_norm_supports(xi, wi, 1e-6, True, ri)
+        assert not rms_norm.providers["triton"].supports(xi, wi, 1e-6, True, ri)
         with pytest.raises(InputError, match=rf"^{field}=.*{message}"):
             rms_norm_triton(xi, wi, 1e-6, True, ri, out=out, residual_out=None if ri is None else res_out)
     assert out.isnan().all() and res_out.isnan().all()

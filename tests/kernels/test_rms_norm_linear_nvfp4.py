@@ -16,7 +16,6 @@ from mtpfactory.errors import ConfigError, InputError, WeightsError
 from mtpfactory.kernels.linear_nvfp4 import XPairs, linear_nvfp4_triton, x_pass_split
 from mtpfactory.kernels.rms_norm import rms_norm_triton
 from mtpfactory.kernels.rms_norm_linear_nvfp4 import (
-    _rms_norm_linear_nvfp4_supports,
     rms_norm_linear_nvfp4,
     rms_norm_linear_nvfp4_triton,
 )
@@ -171,7 +170,7 @@ def test_norm_operands_are_refused_by_the_provider_as_by_the_predicate(case, mon
     field = "norm_weight" if field == "weight" else field
     message = message.replace("weight.contiguous", "norm_weight.contiguous")
     with ops.use_backend("triton"):
-        assert not _rms_norm_linear_nvfp4_supports(xi, wi, 1e-6, True, *w, residual=ri)
+        assert not rms_norm_linear_nvfp4.providers["triton"].supports(xi, wi, 1e-6, True, *w, residual=ri)
     for name in ("planned", "rms_norm_launch", "_run_planned"):
         monkeypatch.setattr(fused_module, name, lambda *a, name=name, **k: pytest.fail(f"{name} called"))
     with ops.use_backend("triton"), pytest.raises(InputError, match=rf"^{field}=.*{message}"):

@@ -8,7 +8,7 @@ import torch
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError
-from mtpfactory.kernels.rope import _rope_neox_supports, rope_inv_freq, rope_neox, rope_neox_refusal, rope_neox_triton
+from mtpfactory.kernels.rope import rope_inv_freq, rope_neox, rope_neox_refusal, rope_neox_triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (N, heads, D, rotary_dim): full rotation of a tiny head, partial with odd D, a pass-through tail of one.
@@ -147,7 +147,7 @@ def test_operands_the_kernel_cannot_take_are_refused_by_the_predicate_the_provid
     out, poison = _poisoned_like(x)
     assert rope_neox_refusal(x, positions, inv_freq).field == field
     with ops.use_backend("triton"):
-        assert not _rope_neox_supports(x, positions, inv_freq, out)
+        assert not rope_neox.providers["triton"].supports(x, positions, inv_freq, out)
         with pytest.raises(InputError, match=rf"^{field}=.*{allowed}"):
             rope_neox_triton(x, positions, inv_freq, out=out)
         with pytest.raises(ConfigError, match=rf"op rope_neox has no triton provider .*it refuses {field}="):
