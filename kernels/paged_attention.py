@@ -249,6 +249,7 @@ _MAX_SEQS = 2**31 - 1                      # grid axis 0 (sequences)
 _MAX_PROGRAMS = 65535                      # grid axes 1 (KV heads) and 2 (context splits)
 _MAX_D = 512
 _WARPS = (1, 2, 4, 8, 16, 32)
+_MAX_STAGES = 8
 
 
 def _pads(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
@@ -323,11 +324,12 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None, block_n: int, num_warps: int,
-                   fast_dot: bool) -> InputError | None:
+                   fast_dot: bool, num_stages: int | None = None) -> InputError | None:
     """Why `paged_decode_attention_triton` cannot launch with these tuning arguments (which the op does not
     take), or None: num_splits None or 1 to 65535 (the grid); block_n a power of two >= 16 (tl.dot) whose
     [block_n, D] and [q_heads / kv_heads, block_n] tiles (padded) hold at most 2^20 elements; num_warps 1, 2,
-    4, 8, 16 or 32; fast_dot a bool. Asked on operands `paged_decode_attention_refusal` passed."""
+    4, 8, 16 or 32; fast_dot a bool; num_stages None or 1 to 8. Asked on operands
+    `paged_decode_attention_refusal` passed."""
     if num_splits is not None and not (_whole(num_splits) and 1 <= num_splits <= _MAX_PROGRAMS):
         return InputError("num_splits", num_splits, f"None (picked from the GPU's size) or 1 to {_MAX_PROGRAMS} (the "
                           "grid)", "leave num_splits=None")
@@ -341,6 +343,9 @@ def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | Non
         return InputError("num_warps", num_warps, f"one of {', '.join(map(str, _WARPS))}", "leave num_warps=4")
     if not isinstance(fast_dot, bool):
         return InputError("fast_dot", fast_dot, "True or False", "pass fast_dot=True or False")
+    if num_stages is not None and not (_whole(num_stages) and 1 <= num_stages <= _MAX_STAGES):
+        return InputError("num_stages", num_stages, f"None (Triton's default) or 1 to {_MAX_STAGES} (tiles in flight "
+                          "a loop: 1 loads each tile when its turn comes)", "leave num_stages=None")
     return None
 
 
@@ -349,10 +354,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                                   num_splits: int | None = None, block_n: int = 16,
-                                  num_warps: int = 4, fast_dot: bool = False) -> torch.Tensor:
+                                  num_warps: int = 4, fast_dot: bool = False,
+                                  num_stages: int | None = None) -> torch.Tensor:
     """The Triton provider; same arguments as the reference (`out`: written in place and returned, any
     strides), plus `num_splits` (context splits per sequence; None picks from the GPU's size, 1 on the CPU),
-    `block_n` (tokens per tile, a power of two >= 16) and `num_warps`. Never synchronizes with the host, so
+    `block_n` (tokens per tile, a power of two >= 16), `num_warps` and `num_stages` (the software pipeline's
+    depth over the context loop; None: Triton's default). Never synchronizes with the host, so
     it cannot refuse what the reference refuses: a context length past the block table is clamped to it, and
     a block id out of range drops its tokens (nothing is read out of bounds).
 
@@ -362,11 +369,11 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     Operands as `paged_decode_attention_refusal` says, tuning arguments as `tuning_refusal`."""
     if err := (paged_decode_attention_refusal(q, k_cache, v_cache, block_tables, context_lens, scale, gate, k_scale,
                                               v_scale)
-               or tuning_refusal(q, k_cache, num_splits, block_n, num_warps, fast_dot)):
+               or tuning_refusal(q, k_cache, num_splits, block_n, num_warps, fast_dot, num_stages)):
         raise err
     return paged_decode_attention_launch(q, k_cache, v_cache, block_tables, context_lens, scale, gate, k_scale,
                                          v_scale, out=out, num_splits=num_splits, block_n=block_n,
-                                         num_warps=num_warps, fast_dot=fast_dot)
+                                         num_warps=num_warps, fast_dot=fast_dot, num_stages=num_stages)
 
 
 def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -374,7 +381,8 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                                   num_splits: int | None = None, block_n: int = 16,
-                                  num_warps: int = 4, fast_dot: bool = False) -> torch.Tensor:
+                                  num_warps: int = 4, fast_dot: bool = False,
+                                  num_stages: int | None = None) -> torch.Tensor:
     """`paged_decode_attention_triton` on operands `paged_decode_attention_refusal` (and tuning arguments
     `tuning_refusal`) passed (the op's predicate checked the operands and takes no tuning: one check a call)."""
     b, hq, d = q.shape
@@ -411,7 +419,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         BLOCK_N=block_n, NUM_SPLITS=splits, HAS_K_SCALE=k_scale is not None,
         HAS_V_SCALE=v_scale is not None, DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if exact else "tf32", num_warps=num_warps,
-        **consts)
+        **({} if num_stages is None else dict(num_stages=num_stages)), **consts)
     if splits > 1:
         _paged_decode_reduce_kernel[(b, hkv)](pacc, pm, pl, gt, out, *gt.stride(), *out.stride(),
                                               NUM_SPLITS=splits, num_warps=4, **consts)
@@ -419,8 +427,8 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 
 paged_decode_attention = Op("paged_decode_attention", _paged_decode_attention_native)
-# Through the op, the provider's tuning arguments (num_splits, block_n, num_warps, fast_dot) are not taken: the
-# reference has none, so a call means the same under every backend. Tests and sweeps pass them to
+# Through the op, the provider's tuning arguments (num_splits, block_n, num_warps, fast_dot, num_stages) are not
+# taken: the reference has none, so a call means the same under every backend. Tests and sweeps pass them to
 # `paged_decode_attention_triton` itself.
 paged_decode_attention.register_provider("triton", paged_decode_attention_launch, paged_decode_attention_refusal)
 

@@ -1,11 +1,11 @@
 """Paged decode attention's tuning on the GPU: context splits and tokens a tile (`paged_decode_attention_triton`'s
-num_splits, block_n, num_warps and fast_dot) at bench_ops.py's Qwen3-Next shapes (16 q / 2 KV heads x 256, context 4096, the output
+num_splits, block_n, num_warps, fast_dot and num_stages) at bench_ops.py's Qwen3-Next shapes (16 q / 2 KV heads x 256, context 4096, the output
 gate; BF16 and FP8 KV), each call on its own blocks; each figure beside its floor (K and V of the contexts over
 the copy bandwidth), the default tuning's (the op's) in the same rounds, and its error against the reference.
 
     python3 scripts/sweep_attention.py [--batches 1,8,32] [--splits 0,16,32,64,128] [--block-n 16,64]
-        [--warps 4] [--fast-dot 0] [--rounds 3]
-        (splits 0: the default, `_default_splits`; every combination of the lists is timed)
+        [--warps 4] [--fast-dot 0] [--stages 0] [--rounds 3]
+        (splits 0: the default, `_default_splits`; stages 0: Triton's default; every combination is timed)
 """
 
 from __future__ import annotations
@@ -31,20 +31,21 @@ def main() -> int:
     ap.add_argument("--block-n", default="16,64")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--fast-dot", default="0", help="0, 1 or 0,1: the dots in fp32 (tf32) or in q's dtype")
+    ap.add_argument("--stages", default="0", help="software pipeline depths; 0: Triton's default")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
-    variants = [(s or None, bn, w, bool(f)) for s in ints(args.splits) for bn in ints(args.block_n)
-                for w in ints(args.warps) for f in ints(args.fast_dot)]
+    variants = [(s or None, bn, w, bool(f), st or None) for s in ints(args.splits) for bn in ints(args.block_n)
+                for w in ints(args.warps) for f in ints(args.fast_dot) for st in ints(args.stages)]
     for name, b, floor_bytes, operands in attention_setups([int(v) for v in args.batches.split(",")]):
         want = paged_decode_attention.reference(*operands[0])
         calls, errs = {}, {}
         for v in variants:
-            s, bn, w, f = v
-            calls[v] = [lambda a=a, s=s, bn=bn, w=w, f=f: paged_decode_attention_triton(
-                *a, num_splits=s, block_n=bn, num_warps=w, fast_dot=f) for a in operands]
+            s, bn, w, f, st = v
+            calls[v] = [lambda a=a, s=s, bn=bn, w=w, f=f, st=st: paged_decode_attention_triton(
+                *a, num_splits=s, block_n=bn, num_warps=w, fast_dot=f, num_stages=st) for a in operands]
             got = calls[v][0]().float()
             errs[v] = ((got - want.float()).abs().max() / want.float().abs().max()).item()
         times = {v: [] for v in calls}
@@ -52,12 +53,13 @@ def main() -> int:
             for v in order:
                 times[v].append(graph_time_us(calls[v])[0])
         floor = floor_bytes / bw * 1e6
-        for (s, bn, w, f), ts in times.items():
+        for v, ts in times.items():
+            s, bn, w, f, st = v
             us = statistics.median(ts)
             print(f"{name} B={b:<3d} splits {'default' if s is None else s:>7} block_n {bn:3d} warps {w:2d} "
-                  f"{'fast' if f else 'fp32'}  {us:8.2f} us "
+                  f"{'fast' if f else 'fp32'} stages {'-' if st is None else st}  {us:8.2f} us "
                   f"({min(ts):.2f}-{max(ts):.2f})  floor {floor:7.2f} us {100 * floor / us:5.1f}%  "
-                  f"err {errs[(s, bn, w, f)]:.1e}", flush=True)
+                  f"err {errs[v]:.1e}", flush=True)
         del calls, times
         torch.cuda.empty_cache()
     return 0

@@ -157,13 +157,14 @@ def test_triton_matches_reference(b, hq, hkv, d, kv, q_dtype):
     torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[q_dtype])
 
 
-@pytest.mark.parametrize("num_splits, block_n", [(2, 16), (3, 16), (5, 16), (2, 32)])
+@pytest.mark.parametrize("num_splits, block_n, num_stages", [(2, 16, None), (3, 16, None), (5, 16, 1), (2, 32, 3)])
 @pytest.mark.parametrize("kv, q_dtype", [("fp32", torch.float32), ("fp8_scaled", torch.bfloat16)])
-def test_triton_split_context(num_splits, block_n, kv, q_dtype):
+def test_triton_split_context(num_splits, block_n, num_stages, kv, q_dtype):
     """Flash-decoding splits: uneven contexts leave some splits empty for short rows; a row with no
-    context gives zeros; block size 5 (not a power of two) makes tiles straddle blocks."""
+    context gives zeros; block size 5 (not a power of two) makes tiles straddle blocks. (num_stages reaches
+    the launch; the interpreter ignores it: its GPU test is test_gpu_pipeline_depths_and_tiles_match_reference.)"""
     args = make_case(4, 4, 2, 24, 5, [37, 3, 0, 60], kv, q_dtype, seed=num_splits, spare_cols=2)
-    out = run_triton(*args, num_splits=num_splits, block_n=block_n)
+    out = run_triton(*args, num_splits=num_splits, block_n=block_n, num_stages=num_stages)
     torch.testing.assert_close(out, run_native(*args), **TOL[q_dtype])
     assert (out[2] == 0).all()
 
@@ -386,6 +387,7 @@ BAD_TUNING = {
                 (2**17, "at most 65536 here"), (16.0, "a power of two")],
     "num_warps": [(3, "one of 1, 2, 4, 8, 16, 32"), (64, "one of"), (0, "one of"), (4.0, "one of")],
     "fast_dot": [(1, "True or False"), ("yes", "True or False")],
+    "num_stages": [(0, "None .* or 1 to 8"), (9, "1 to 8"), (2.0, "1 to 8"), (True, "1 to 8")],
 }
 
 
@@ -476,6 +478,18 @@ def test_gpu_triton_matches_reference(b, kv, num_splits, fast_dot):
     # tf32 dots on GPU: q.K is exact (16-bit and FP8 values fit tf32), p.V truncates p to 10 mantissa
     # bits (2**-10 relative); fast_dot rounds p to bf16 (2**-9): both well inside the BF16 output tolerance.
     out = run_triton(*args, num_splits=num_splits, fast_dot=fast_dot)
+    torch.testing.assert_close(out, run_native(*args), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bf16", "fp8_scaled"])
+@pytest.mark.parametrize("num_stages, block_n", [(1, 16), (2, 64), (4, 16), (4, 64)])
+def test_gpu_pipeline_depths_and_tiles_match_reference(kv, num_stages, block_n):
+    """The software pipeline's depth (`num_stages`, which the interpreter ignores) and the tile the sweep
+    (scripts/sweep_attention.py) times: each launch still attends every token once."""
+    lens = [4096, 1, 3001, 16, 2500, 0, 4095, 777]
+    args = make_case(8, 16, 2, 256, 16, lens, kv, torch.bfloat16, seed=num_stages * 100 + block_n, device="cuda")
+    out = run_triton(*args, num_stages=num_stages, block_n=block_n)
     torch.testing.assert_close(out, run_native(*args), **TOL[torch.bfloat16])
 
 
