@@ -3,7 +3,8 @@
 `runtime.backend` picks the providers (DESIGN 4):
 - `native`: the reference only;
 - `auto`: the first fast provider whose predicate accepts the call (device, dtype, shape), else the
-  reference, logging the fallback at debug level;
+  reference, logging the fallback at debug level; also the reference where this GPU cannot launch the
+  provider's kernel at all (Triton's OutOfResources: shared memory), warned once a kind of call;
 - `triton`: the Triton provider, and an error naming the op when it cannot serve the call (never a
   silent fallback), with the reason where the provider registered its rule (`refusal`).
 
@@ -93,7 +94,16 @@ class Op:
         for pname in (backend,) if backend != "auto" else _FAST_PRIORITY:
             p = self.providers.get(pname)
             if p is not None and p.supports(*args, **kwargs):
-                return p.fn(*args, **kwargs)
+                try:
+                    return p.fn(*args, **kwargs)
+                except _launch_limit_errors() as e:
+                    if backend != "auto":
+                        raise ConfigError("runtime.backend", backend, f"op {self.name}'s {pname} provider cannot "
+                                          f"launch this call on this GPU ({_describe(args, kwargs)}): {e}",
+                                          "use runtime.backend=auto to run the reference for it") from e
+                    _warn_once(f"op {self.name}: the {pname} provider cannot launch this call on this GPU "
+                               f"({_describe(args, kwargs)}): {e}; running the reference", (self.name, pname, str(e)))
+                    return self.reference(*args, **kwargs)
         if backend != "auto":
             p = self.providers.get(backend)
             why = None if p is None else p.refusal(*args, **kwargs)
@@ -115,6 +125,25 @@ class Op:
 
 
 _OPS: dict[str, Op] = {}
+_warned: set[tuple] = set()
+
+
+def _launch_limit_errors() -> tuple[type[BaseException], ...]:
+    """What a fast provider raises when this GPU cannot launch its kernel for a call at all: Triton's
+    OutOfResources (shared memory, threads), raised while loading the kernel, before its launch. The predicates
+    model the kernels' shapes and Triton's limits, not each GPU's resources, so `auto` gives such a call to the
+    reference (the providers' launches before it write only their scratch and outputs, which the reference
+    then writes whole) and `triton` refuses it."""
+    if not _HAS_TRITON:
+        return ()
+    from triton.runtime.errors import OutOfResources
+    return (OutOfResources,)
+
+
+def _warn_once(message: str, key: tuple) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
 
 
 def all_ops() -> dict[str, Op]:

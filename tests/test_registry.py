@@ -252,3 +252,37 @@ def test_a_provider_takes_a_call_only_where_it_can_run_on_every_tensor_the_call_
     a, b, c, d = (torch.zeros(1) for _ in range(4))
     assert op.providers["triton"].supports(a, 2.0, "name", out=(b, c), extra=[d], none=None)
     assert seen == [4]
+
+
+def test_a_kernel_this_gpu_cannot_launch_falls_back_under_auto_and_is_refused_under_triton(monkeypatch, caplog):
+    """Triton's OutOfResources (a kernel needing more shared memory than the GPU has, raised while loading it,
+    before its launch) is no predicate's business: `auto` runs the reference, warning once a kind of call;
+    `triton` refuses, naming the op and the resource. Any other error of the provider is its own."""
+    from triton.runtime.errors import OutOfResources
+    monkeypatch.setattr(ops, "_OPS", {})
+    monkeypatch.setattr(ops, "_warned", set())
+    raised = []
+
+    def provider(x):
+        raised.append(1)
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    op = ops.Op("test_op_oor", lambda x: x * 2)
+    op.register_provider("triton", provider, lambda x: None, can_run=lambda *ts: True)
+    x = torch.ones(3)
+    with ops.use_backend("auto"), caplog.at_level("WARNING", logger="mtpfactory.ops"):
+        assert op(x).eq(2).all() and op(x).eq(2).all()
+    assert len(raised) == 2
+    warned = [r.getMessage() for r in caplog.records if "test_op_oor" in r.getMessage()]
+    assert len(warned) == 1 and "shared memory" in warned[0] and "running the reference" in warned[0]
+    with ops.use_backend("triton"), pytest.raises(ConfigError, match=r"test_op_oor's triton provider cannot launch "
+                                                                     r"this call on this GPU .*shared memory"):
+        op(x)
+
+    def broken(x):
+        raise RuntimeError("a bug, not a resource limit")
+
+    other = ops.Op("test_op_bug", lambda x: x)
+    other.register_provider("triton", broken, lambda x: None, can_run=lambda *ts: True)
+    with ops.use_backend("auto"), pytest.raises(RuntimeError, match="a bug"):
+        other(x)

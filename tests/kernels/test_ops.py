@@ -1,7 +1,15 @@
-"""The op registry: every op the heads use has its reference and a Triton provider (DESIGN 4)."""
+"""The op registry: every op the heads use has its reference and a Triton provider (DESIGN 4); a kernel the GPU
+cannot load falls back under `auto`."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
 
 import mtpfactory.kernels  # noqa: F401  (defines every op)
 from mtpfactory import ops
+from mtpfactory.errors import ConfigError
+from mtpfactory.kernels.paged_attention import paged_decode_attention
 
 
 def test_every_op_has_a_triton_provider():
@@ -10,3 +18,61 @@ def test_every_op_has_a_triton_provider():
             "reshape_and_cache_fp8", "paged_decode_attention", "moe_route_softmax", "fused_moe",
             "fused_moe_nvfp4", "argmax", "embedding", "quantize_nvfp4", "quantize_fp8"} <= set(defined)
     assert [name for name, op in defined.items() if "triton" not in op.providers] == []
+
+
+# --- GPU: a kernel the GPU cannot load ---------------------------------------------------------------------
+
+@triton.jit
+def _product_kernel(a_ptr, b_ptr, out_ptr, K, BLOCK: tl.constexpr):
+    """out = a @ b for a [BLOCK, K] and b [K, BLOCK] (fp32, K a multiple of BLOCK) in one program: at BLOCK 128
+    and 4 stages its pipelined tiles need 512 KB of shared memory (compiled for sm_90), past any GPU's 227 KB
+    a block."""
+    r = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK, BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        a = tl.load(a_ptr + r[:, None] * K + (k0 + r)[None, :])
+        b = tl.load(b_ptr + (k0 + r)[:, None] * BLOCK + r[None, :])
+        acc += tl.dot(a, b)
+    tl.store(out_ptr + r[:, None] * BLOCK + r[None, :], acc)
+
+
+@pytest.mark.gpu
+def test_gpu_a_provider_whose_kernel_the_gpu_cannot_load_falls_back_under_auto(monkeypatch):
+    """Triton raises OutOfResources loading a kernel that needs more shared memory than the GPU has: `auto`
+    runs the reference instead, `triton` refuses the call naming the op (the mechanism: test_registry.py)."""
+    monkeypatch.setattr(ops, "_OPS", {})
+    monkeypatch.setattr(ops, "_warned", set())
+
+    def launch(a, b):
+        out = torch.full((a.shape[0], b.shape[1]), float("nan"), device=a.device)
+        _product_kernel[(1,)](a, b, out, a.shape[1], BLOCK=a.shape[0], num_stages=4)
+        return out
+
+    op = ops.Op("test_op_product", lambda a, b: a @ b)
+    op.register_provider("triton", launch, lambda a, b: None)
+    a, b = torch.randn(128, 512, device="cuda"), torch.randn(512, 128, device="cuda")
+    with ops.use_backend("auto"):
+        assert torch.equal(op(a, b), a @ b)
+    with ops.use_backend("triton"), pytest.raises(ConfigError, match=r"test_op_product's triton provider cannot "
+                                                                     r"launch .*shared memory"):
+        op(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_paged_attention_at_its_largest_tiles_runs_or_falls_back(dtype):
+    """The largest tiles the op takes (64 q heads on one KV head, D 512) at its default tile: 192 KB (fp32) and
+    196 KB (bf16) of shared memory compiled for sm_90, near the 227 KB a block. Whether this GPU loads the
+    kernel or `auto` falls back, the call gives the reference's result."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, hq, hkv, d, bs, ctx = 2, 64, 1, 512, 16, 300
+    blocks = b * triton.cdiv(ctx, bs)
+    q = torch.randn(b, hq, d, device="cuda", generator=gen).to(dtype)
+    k, v = (torch.randn(blocks, bs, hkv, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    tables = torch.arange(blocks, device="cuda", dtype=torch.int32).view(b, -1)
+    lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    with ops.use_backend("auto"):
+        got = paged_decode_attention(q, k, v, tables, lens, d ** -0.5)
+    want = paged_decode_attention.reference(q, k, v, tables, lens, d ** -0.5)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
