@@ -7,8 +7,10 @@
 # them: 483 took over 280 s on 2026-12-04); BENCH_ARGS passes options to scripts/bench_kernels.py (BENCH_S, 420 s);
 # TUNE_ARGS, when set, runs scripts/tune_gemv.py with them first (TUNE_S, 420 s); OPS_ARGS, when set, runs
 # scripts/bench_ops.py with them after the kernel benchmark (OPS_S, 240 s; OPS_ARGS=--rounds=3 times every op);
-# SWEEP_ARGS, when set, runs scripts/sweep_wgmma.py with them after those (SWEEP_S, 300 s); CLOCK_ARGS, when set, runs
-# scripts/clock_watch.py with them last (CLOCK_S, 240 s; its nvidia-smi log goes to $OUT/clocks.csv).
+# SWEEP_ARGS, when set, runs scripts/sweep_wgmma.py with them after those (SWEEP_S, 300 s); ATTN_ARGS, when set,
+# runs scripts/sweep_attention.py with them next (ATTN_S, 240 s; ATTN_ARGS=--rounds=3 sweeps its defaults);
+# CLOCK_ARGS, when set, runs scripts/clock_watch.py with them last (CLOCK_S, 240 s; its nvidia-smi log goes to
+# $OUT/clocks.csv).
 # A device call ends at 600 s, the install included, so no stage runs past CALL_S (570 s) from the script's start:
 # a stage gets the lesser of its own limit and what is left. The defaults (the whole GPU suite, then every shape's
 # benchmark) do not both fit in one call: run the tests alone (BENCH=0), then the benchmark alone (GPU_TESTS=0,
@@ -39,6 +41,7 @@ limits=0   # the enabled stages' limits together
 [[ "${BENCH:-1}" == 1 ]] && limits=$((limits + ${BENCH_S:-420}))
 [[ -n "${OPS_ARGS:-}" ]] && limits=$((limits + ${OPS_S:-240}))
 [[ -n "${SWEEP_ARGS:-}" ]] && limits=$((limits + ${SWEEP_S:-300}))
+[[ -n "${ATTN_ARGS:-}" ]] && limits=$((limits + ${ATTN_S:-240}))
 [[ -n "${CLOCK_ARGS:-}" ]] && limits=$((limits + ${CLOCK_S:-240}))
 if (( limits + SECONDS > CALL_S )); then
   echo "device_run.sh: the stages' limits add up to ${limits} s after ${SECONDS} s of install, past CALL_S" \
@@ -95,6 +98,9 @@ if [[ -n "${OPS_ARGS:-}" ]]; then
 fi
 if [[ -n "${SWEEP_ARGS:-}" ]]; then
   stage sweep_wgmma "${SWEEP_S:-300}" "$OUT/sweep.log" python3 -P scripts/sweep_wgmma.py $SWEEP_ARGS
+fi
+if [[ -n "${ATTN_ARGS:-}" ]]; then
+  stage sweep_attention "${ATTN_S:-240}" "$OUT/sweep_attention.log" python3 -P scripts/sweep_attention.py $ATTN_ARGS
 fi
 if [[ -n "${CLOCK_ARGS:-}" ]]; then
   stage clock_watch "${CLOCK_S:-240}" "$OUT/clock.log" \
