@@ -199,10 +199,12 @@ def _paged_decode_kernel(
         _store_out(acc, l_i, out_ptr, gate_ptr, pid_b, q_heads, d, g_mask, d_mask,
                    s_ob, s_oh, s_od, s_gb, s_gh, s_gd, HAS_GATE)
     else:
-        row = (pid_b * tl.num_programs(1) + pid_h) * NUM_SPLITS + pid_s  # partial row, padded lanes kept
-        tl.store(pacc_ptr + row * G_PAD * D_PAD + g[:, None] * D_PAD + d[None, :], acc)
-        tl.store(pm_ptr + row * G_PAD + g, m_i)
-        tl.store(pl_ptr + row * G_PAD + g, l_i)
+        # the split's partial row: its q heads and dims only (the padded lanes, which no one reads, stay unwritten)
+        row = (pid_b * tl.num_programs(1) + pid_h) * NUM_SPLITS + pid_s
+        tl.store(pacc_ptr + row * G_PAD * D_PAD + g[:, None] * D_PAD + d[None, :], acc,
+                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(pm_ptr + row * G_PAD + g, m_i, mask=g_mask)
+        tl.store(pl_ptr + row * G_PAD + g, l_i, mask=g_mask)
 
 
 @triton.jit
@@ -210,20 +212,25 @@ def _paged_decode_reduce_kernel(
         pacc_ptr, pm_ptr, pl_ptr, gate_ptr, out_ptr,
         s_gb, s_gh, s_gd, s_ob, s_oh, s_od,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, HAS_GATE: tl.constexpr):
-    """Combine the splits' (acc, max, sum) of one (sequence, KV head) and store the gated output."""
+        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_GATE: tl.constexpr):
+    """Combine the splits' (acc, max, sum) of one (sequence, KV head) over BLOCK_D of its dims and store the
+    gated output: programs over the dims too, so that few sequences with many splits still spread."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # guarded as in _paged_decode_kernel
     l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
     row0 = (pid_b * tl.num_programs(1) + pid_h) * NUM_SPLITS
     for s in range(NUM_SPLITS):
-        m_s = tl.load(pm_ptr + (row0 + s) * G_PAD + g)
-        l_s = tl.load(pl_ptr + (row0 + s) * G_PAD + g)
-        a_s = tl.load(pacc_ptr + (row0 + s) * G_PAD * D_PAD + g[:, None] * D_PAD + d[None, :])
+        # padded lanes (never written) read as an empty split: max -inf, sum 0, acc 0
+        m_s = tl.load(pm_ptr + (row0 + s) * G_PAD + g, mask=g_mask, other=float("-inf"))
+        l_s = tl.load(pl_ptr + (row0 + s) * G_PAD + g, mask=g_mask, other=0.0)
+        a_s = tl.load(pacc_ptr + (row0 + s) * G_PAD * D_PAD + g[:, None] * D_PAD + d[None, :],
+                      mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         m_new = tl.maximum(m_i, m_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -231,7 +238,7 @@ def _paged_decode_reduce_kernel(
         l_i = l_i * alpha + l_s * beta
         acc = acc * alpha[:, None] + a_s * beta[:, None]
         m_i = m_new
-    _store_out(acc, l_i, out_ptr, gate_ptr, pid_b, pid_h * GROUP + g, d, g < GROUP, d < HEAD_DIM,
+    _store_out(acc, l_i, out_ptr, gate_ptr, pid_b, pid_h * GROUP + g, d, g_mask, d_mask,
                s_ob, s_oh, s_od, s_gb, s_gh, s_gd, HAS_GATE)
 
 
@@ -250,6 +257,7 @@ _MAX_PROGRAMS = 65535                      # grid axes 1 (KV heads) and 2 (conte
 _MAX_D = 512
 _WARPS = (1, 2, 4, 8, 16, 32)
 _MAX_STAGES = 8
+_REDUCE_BLOCK_D = 32                       # a reduce program's dims: D 256 gives 8 programs a (sequence, KV head)
 
 
 def _pads(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
@@ -421,8 +429,10 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         DOT_PRECISION="ieee" if exact else "tf32", num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)), **consts)
     if splits > 1:
-        _paged_decode_reduce_kernel[(b, hkv)](pacc, pm, pl, gt, out, *gt.stride(), *out.stride(),
-                                              NUM_SPLITS=splits, num_warps=4, **consts)
+        block_d = min(d_pad, _REDUCE_BLOCK_D)
+        _paged_decode_reduce_kernel[(b, hkv, d_pad // block_d)](pacc, pm, pl, gt, out, *gt.stride(), *out.stride(),
+                                                                BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4,
+                                                                **consts)
     return out
 
 

@@ -159,11 +159,14 @@ def test_triton_matches_reference(b, hq, hkv, d, kv, q_dtype):
 
 @pytest.mark.parametrize("num_splits, block_n, num_stages", [(2, 16, None), (3, 16, None), (5, 16, 1), (2, 32, 3)])
 @pytest.mark.parametrize("kv, q_dtype", [("fp32", torch.float32), ("fp8_scaled", torch.bfloat16)])
-def test_triton_split_context(num_splits, block_n, num_stages, kv, q_dtype):
+@pytest.mark.parametrize("d", [24, 40])
+def test_triton_split_context(num_splits, block_n, num_stages, kv, q_dtype, d):
     """Flash-decoding splits: uneven contexts leave some splits empty for short rows; a row with no
-    context gives zeros; block size 5 (not a power of two) makes tiles straddle blocks. (num_stages reaches
-    the launch; the interpreter ignores it: its GPU test is test_gpu_pipeline_depths_and_tiles_match_reference.)"""
-    args = make_case(4, 4, 2, 24, 5, [37, 3, 0, 60], kv, q_dtype, seed=num_splits, spare_cols=2)
+    context gives zeros; block size 5 (not a power of two) makes tiles straddle blocks. Two q heads a KV head
+    leave 14 of the 16 padded rows of a split's partial unwritten; D 40 gives the reduce two programs of 32
+    dims, the second cut at 40. (num_stages reaches the launch; the interpreter ignores it: its GPU test is
+    test_gpu_pipeline_depths_and_tiles_match_reference.)"""
+    args = make_case(4, 4, 2, d, 5, [37, 3, 0, 60], kv, q_dtype, seed=num_splits, spare_cols=2)
     out = run_triton(*args, num_splits=num_splits, block_n=block_n, num_stages=num_stages)
     torch.testing.assert_close(out, run_native(*args), **TOL[q_dtype])
     assert (out[2] == 0).all()
