@@ -58,10 +58,12 @@ class Provider:
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors among a call's arguments, and inside its tuple and list arguments (an `out=` triple)."""
     found = []
-    for a in (*args, *kwargs.values()):
-        for t in (a if isinstance(a, (tuple, list)) else (a,)):
-            if isinstance(t, torch.Tensor):
-                found.append(t)
+    for group in (args, kwargs.values()):      # a walk on every op call: no tuple built an argument
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                found.append(a)
+            elif isinstance(a, (tuple, list)):
+                found.extend(t for t in a if isinstance(t, torch.Tensor))
     return found
 
 
