@@ -134,8 +134,8 @@ def _launch_limit_errors() -> tuple[type[BaseException], ...]:
     """What a fast provider raises when this GPU cannot launch its kernel for a call at all: Triton's
     OutOfResources (shared memory, threads), raised while loading the kernel, before its launch. The predicates
     model the kernels' shapes and Triton's limits, not each GPU's resources, so `auto` gives such a call to the
-    reference (the providers' launches before it write only their scratch and outputs, which the reference
-    then writes whole) and `triton` refuses it."""
+    reference and `triton` refuses it. (A provider's launches before the one that fails write only scratch, a
+    `workspace=` included, never an input or an `out=`: its heavy kernel comes first, or writes the output.)"""
     if not _HAS_TRITON:
         return ()
     from triton.runtime.errors import OutOfResources

@@ -1,7 +1,8 @@
-"""Paged decode attention's tuning on the GPU: context splits and tokens a tile (`paged_decode_attention_triton`'s
-num_splits, block_n, num_warps, fast_dot and num_stages) at bench_ops.py's Qwen3-Next shapes (16 q / 2 KV heads x 256, context 4096, the output
-gate; BF16 and FP8 KV), each call on its own blocks; each figure beside its floor (K and V of the contexts over
-the copy bandwidth), the default tuning's (the op's) in the same rounds, and its error against the reference.
+"""Paged decode attention's tuning on the GPU: context splits, tokens a tile, warps, the dots' dtype and the pipeline's
+depth (`paged_decode_attention_triton`'s num_splits, block_n, num_warps, fast_dot and num_stages) at bench_ops.py's
+Qwen3-Next shapes (16 q / 2 KV heads x 256, context 4096, the output gate; BF16 and FP8 KV), each call on its own
+blocks; each figure beside its floor (K and V of the contexts over the copy bandwidth), the default tuning's (the
+op's) in the same rounds, and its error against the reference.
 
     python3 scripts/sweep_attention.py [--batches 1,8,32] [--splits 0,16,32,64,128] [--block-n 16,64]
         [--warps 4] [--fast-dot 0] [--stages 0] [--rounds 3]

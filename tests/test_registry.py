@@ -223,9 +223,10 @@ def test_an_explicit_backend_that_cannot_serve_a_call_says_why(monkeypatch):
     from mtpfactory.errors import InputError
     monkeypatch.setattr(ops, "_OPS", {})
     op = ops.Op("test_op_why", lambda x: -x)
-    op.register_provider("triton", lambda x: x,
-                         lambda x: None if x.dim() == 2 else InputError("x", f"{x.dim()}-D", "a 2-D tensor", "(a test)"),
-                         can_run=lambda *ts: True)
+    def refusal(x):
+        return None if x.dim() == 2 else InputError("x", f"{x.dim()}-D", "a 2-D tensor", "(a test)")
+
+    op.register_provider("triton", lambda x: x, refusal, can_run=lambda *ts: True)
     assert op.providers["triton"].supports(torch.zeros(2, 3)) and not op.providers["triton"].supports(torch.zeros(3))
     with ops.use_backend("triton"), pytest.raises(ConfigError, match=r"it refuses x='1-D': a 2-D tensor\)"):
         op(torch.zeros(3))

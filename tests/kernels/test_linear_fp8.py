@@ -127,11 +127,12 @@ def test_op_dispatch_and_fallback(monkeypatch):
         assert calls == [1]
         assert_matches(y, _linear_fp8_native(x[:2], weight, scale),
                        x[:2].float().abs() @ (weight.float().abs() * scale[:, None]).T)
-        assert linear_fp8.providers["triton"].supports(x[:32], weight, scale)
-        assert not linear_fp8.providers["triton"].supports(x, weight, scale)                           # M = 33
-        assert not linear_fp8.providers["triton"].supports(x[:1], weight, scale.double())              # scale not fp32
-        assert not linear_fp8.providers["triton"].supports(x[:1], weight, scale[:6])                   # scale not [N]
-        assert not linear_fp8.providers["triton"].supports(x[:1], weight.view(torch.uint8), scale)     # not float8_e4m3fn
+        supports = linear_fp8.providers["triton"].supports
+        assert supports(x[:32], weight, scale)
+        assert not supports(x, weight, scale)                           # M = 33
+        assert not supports(x[:1], weight, scale.double())              # scale not fp32
+        assert not supports(x[:1], weight, scale[:6])                   # scale not [N]
+        assert not supports(x[:1], weight.view(torch.uint8), scale)     # not float8_e4m3fn
         with pytest.raises(ConfigError, match="linear_fp8"):
             linear_fp8(x, weight, scale)
     with ops.use_backend("auto"):

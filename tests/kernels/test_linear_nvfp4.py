@@ -277,11 +277,12 @@ def test_op_dispatch_and_fallback(monkeypatch):
         assert calls == [1]
         assert_matches(y, _linear_nvfp4_native(x[:2], weight, scale, scale_2),
                        x[:2].float().abs() @ dequantize_nvfp4(weight, scale, scale_2).abs().T)
-        assert linear_nvfp4.providers["triton"].supports(x[:32], weight, scale, scale_2)
-        assert not linear_nvfp4.providers["triton"].supports(x, weight, scale, scale_2)                     # M = 33
-        assert not linear_nvfp4.providers["triton"].supports(x[:1, :16], weight[:, :8].contiguous(), scale, scale_2)  # scale [N, K/8]
-        assert not linear_nvfp4.providers["triton"].supports(x[:1], weight, scale.float(), scale_2)        # scale not E4M3
-        assert not linear_nvfp4.providers["triton"].supports(x[:1, :24], weight[:, :12].contiguous(), scale, scale_2)  # K = 24
+        supports = linear_nvfp4.providers["triton"].supports
+        assert supports(x[:32], weight, scale, scale_2)
+        assert not supports(x, weight, scale, scale_2)                     # M = 33
+        assert not supports(x[:1, :16], weight[:, :8].contiguous(), scale, scale_2)  # scale [N, K/8]
+        assert not supports(x[:1], weight, scale.float(), scale_2)        # scale not E4M3
+        assert not supports(x[:1, :24], weight[:, :12].contiguous(), scale, scale_2)  # K = 24
         with pytest.raises(ConfigError, match="linear_nvfp4"):
             linear_nvfp4(x, weight, scale, scale_2)
     with ops.use_backend("auto"):
@@ -493,7 +494,7 @@ def test_weight_rows_must_start_on_words():
     assert torch.equal(out, linear_nvfp4_triton(x, weight, scale, scale_2))
     shifted = torch.zeros(7 * 16 + 1, dtype=torch.uint8)[1:].view(7, 16)    # contiguous, one byte off a word
     shifted.copy_(weight)
-    assert not linear_nvfp4.providers["triton"].supports(x, shifted, scale, scale_2)             # `auto` takes the reference
+    assert not linear_nvfp4.providers["triton"].supports(x, shifted, scale, scale_2)   # `auto` takes the reference
     with pytest.raises(ValueError, match="4-byte boundaries"):
         linear_nvfp4_triton(x, shifted, scale, scale_2)
 

@@ -103,7 +103,8 @@ def test_out_means_the_same_on_every_provider():
     assert rms_norm.reference(x, w, 1e-6, True, out=strided) is strided
     assert torch.equal(strided, rms_norm.reference(x, w, 1e-6, True))
     for field, kw in (("out", dict(out=strided)), ("residual_out", dict(residual_out=strided))):
-        with ops.use_backend("triton"), pytest.raises(ConfigError, match=rf"rms_norm .*it refuses {field}=.*contiguous"):
+        with ops.use_backend("triton"), pytest.raises(ConfigError,
+                                                      match=rf"rms_norm .*it refuses {field}=.*contiguous"):
             rms_norm(x, w, 1e-6, True, res, **kw)
     for backend in ("native", "triton"):
         wrong = torch.full((3, 32), float("nan"), dtype=torch.bfloat16)
