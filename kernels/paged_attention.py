@@ -30,7 +30,7 @@ def _shape_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    context_lens: torch.Tensor, gate: torch.Tensor | None, k_scale: torch.Tensor | None,
                    v_scale: torch.Tensor | None) -> InputError | None:
     """Why no provider can attend with these shapes, or None (the reference's part of
-    `paged_decode_attention_refusal`): q [B, q_heads, D]; k_cache [blocks, block_size, kv_heads >= 1, D], q_heads
+    `paged_decode_attention_refusal`): q [B, q_heads, D]; k_cache [blocks, block_size >= 1, kv_heads >= 1, D], q_heads
     a multiple of kv_heads; v_cache and the scales ([blocks, block_size, kv_heads]) of k_cache's block_size and
     kv_heads (and D); block_tables [B, max_blocks] and context_lens [B] (the reference reads the first B rows
     of longer ones); gate broadcast to q's shape. Caches and scales may differ in their count of blocks: the
@@ -39,9 +39,9 @@ def _shape_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return InputError("q", f"{q.dtype} {list(q.shape)}", "a [B, q_heads, D] tensor, one query row a sequence",
                           "view the heads as [B, q_heads, D]")
     b, hq, d = q.shape
-    if k_cache.dim() != 4 or k_cache.shape[2] == 0 or k_cache.shape[3] != d:
+    if k_cache.dim() != 4 or k_cache.shape[1] == 0 or k_cache.shape[2] == 0 or k_cache.shape[3] != d:
         return InputError("k_cache", f"{k_cache.dtype} {list(k_cache.shape)}",
-                          f"a [blocks, block_size, kv_heads >= 1, D] tensor of q's head_dim D = {d} "
+                          f"a [blocks, block_size >= 1, kv_heads >= 1, D] tensor of q's head_dim D = {d} "
                           f"(q {list(q.shape)})", "pass the K cache of q's attention layer")
     if hq % k_cache.shape[2]:
         return InputError("q", f"{q.dtype} {list(q.shape)}",
@@ -138,11 +138,11 @@ def _store_out(acc, l_i, out_ptr, gate_ptr, pid_b, q_heads, d, row_mask, d_mask,
 def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gate_ptr, bt_ptr, cl_ptr, out_ptr,
         pacc_ptr, pm_ptr, pl_ptr,  # split partials: [B, kv_heads, S, G_PAD, D_PAD], [B, kv_heads, S, G_PAD] x2
-        scale_log2e, num_blocks, block_size, max_tokens, split_len,
+        scale_log2e, num_blocks, max_tokens, split_len,
         s_qb, s_qh, s_qd, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
         s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_gb, s_gh, s_gd, s_ob, s_oh, s_od, s_btb, s_btn,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_K_SCALE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_K_SCALE: tl.constexpr,
         HAS_V_SCALE: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr):
     pid_b = tl.program_id(0)
@@ -170,9 +170,11 @@ def _paged_decode_kernel(
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)  # token positions in the sequence
-        blk = tl.load(bt_ptr + pid_b * s_btb + (t // block_size) * s_btn, mask=t < end, other=0).to(tl.int64)
+        # the cache's block size a constant: a token's block and offset by shifts (a power of two) or by
+        # constant division, where a run-time size cost a division sequence an element every tile
+        blk = tl.load(bt_ptr + pid_b * s_btb + (t // BLOCK_SIZE) * s_btn, mask=t < end, other=0).to(tl.int64)
         t_mask = (t < end) & (blk >= 0) & (blk < num_blocks)
-        off = t % block_size
+        off = t % BLOCK_SIZE
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + (blk * s_kb + off * s_kt + pid_h * s_kh)[:, None] + d[None, :] * s_kd,
                     mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, D_PAD]
@@ -421,10 +423,10 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     consts = dict(GROUP=group, G_PAD=g_pad, HEAD_DIM=d, D_PAD=d_pad, HAS_GATE=gate is not None)
     _paged_decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, ks, vs, gt, block_tables, context_lens.contiguous(), out, pacc, pm, pl,
-        scale * _LOG2E, k_cache.shape[0], bs, block_tables.shape[1] * bs, split_len,
+        scale * _LOG2E, k_cache.shape[0], block_tables.shape[1] * bs, split_len,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *ks_st, *vs_st, *gt.stride(), *out.stride(),
         *block_tables.stride(),
-        BLOCK_N=block_n, NUM_SPLITS=splits, HAS_K_SCALE=k_scale is not None,
+        BLOCK_SIZE=bs, BLOCK_N=block_n, NUM_SPLITS=splits, HAS_K_SCALE=k_scale is not None,
         HAS_V_SCALE=v_scale is not None, DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if exact else "tf32", num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)), **consts)

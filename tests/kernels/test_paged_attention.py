@@ -319,7 +319,10 @@ BAD = {
     "q B past the grid": (_huge_batch, "q", "B <= 2147483647"),
     "k_cache of other D": (_with(k_cache=lambda a: a["k_cache"][..., :8]), "k_cache", "of q's head_dim D = 16"),
     "k_cache of no KV heads": (_with(k_cache=lambda a: a["k_cache"][:, :, :0]), "k_cache", "kv_heads >= 1"),
-    "k_cache 5-D": (_with(k_cache=lambda a: a["k_cache"][..., None]), "k_cache", r"\[blocks, block_size, kv_heads"),
+    "k_cache 5-D": (_with(k_cache=lambda a: a["k_cache"][..., None]), "k_cache", r"\[blocks, block_size >= 1, kv_"),
+    "k_cache of no block size": (_with(k_cache=lambda a: a["k_cache"][:, :0], v_cache=lambda a: a["v_cache"][:, :0],
+                                       k_scale=lambda a: a["k_scale"][:, :0], v_scale=lambda a: a["v_scale"][:, :0]),
+                                 "k_cache", "block_size >= 1"),
     "k_cache fp64": (_with(k_cache=lambda a: a["k_cache"].double()), "k_cache", "bf16, fp16, fp32 or float8_e4m3fn"),
     "k_cache e5m2": (_with(k_cache=lambda a: a["k_cache"].view(torch.float8_e5m2)), "k_cache", "float8_e4m3fn"),
     "k_cache KV heads past the grid": (lambda: _heads(65536, 65536, 16), "k_cache", "at most 65535 KV heads"),
@@ -406,7 +409,8 @@ def test_tuning_arguments_the_kernel_cannot_launch_with_are_refused_by_the_provi
 
 
 @pytest.mark.parametrize("case", ["q 2-D", "q heads not a multiple of KV heads", "k_cache of other D",
-                                  "k_cache of no KV heads", "k_cache 5-D", "v_cache of other block size",
+                                  "k_cache of no KV heads", "k_cache of no block size", "k_cache 5-D",
+                                  "v_cache of other block size",
                                   "gate of other heads", "k_scale 2-D", "block_tables 1-D",
                                   "block_tables of fewer rows", "context_lens of fewer rows"])
 @pytest.mark.parametrize("backend", ["native", "auto"])
