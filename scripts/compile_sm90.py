@@ -30,6 +30,9 @@ speed: those need the GPU tests (`pytest -m gpu`) and the benchmarks.
     TRITON_INTERPRET=1 python3 scripts/compile_sm90.py            (tests/kernels, -m 'not gpu' from pyproject)
     TRITON_INTERPRET=1 python3 scripts/compile_sm90.py -- tests/kernels/test_rope.py -k strided
     python3 scripts/compile_sm90.py --jobs 4 --lines 20 -- ...    (TRITON_INTERPRET=1 is set if absent)
+    python3 scripts/compile_sm90.py --stats -- tests/kernels/test_paged_attention.py -k split_context
+        (also each kernel's shared memory, registers and spilled bytes a thread, and the instructions of its
+        largest loop, from the cubin: `cubin_stats`)
 
 Exit status 1 if any specialization fails to compile (or nothing was launched), else pytest's. On this
 project's 2-core machine the whole tests/kernels selection takes about 8 minutes: 4 for the tests, 4 for
@@ -160,8 +163,9 @@ def _kernel(module: str, qualname: str, path: str):
     return obj
 
 
-def compile_one(spec: dict) -> tuple[str | None, float]:
-    """(None or the error's text, seconds) of compiling `spec` for sm_90 to a cubin."""
+def compile_one(spec: dict, stats: bool = False) -> tuple[str | None, float, str]:
+    """(None or the error's text, seconds, with `stats` the cubin's `cubin_stats` or "") of compiling `spec`
+    for sm_90 to a cubin."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
@@ -171,10 +175,22 @@ def compile_one(spec: dict) -> tuple[str | None, float]:
         compiled = triton.compile(ASTSource(fn, spec["signature"], spec["constexprs"], spec["attrs"]),
                                   target=GPUTarget(*TARGET), options=spec["options"])
         if not compiled.asm.get("cubin"):
-            return "no cubin came out", time.time() - start
+            return "no cubin came out", time.time() - start, ""
+        text = cubin_stats(compiled.asm["cubin"], compiled.metadata.shared) if stats else ""
     except Exception as e:  # noqa: BLE001 - every failure is a result to print
-        return "\n".join(_error_lines(e)), time.time() - start
-    return None, time.time() - start
+        return "\n".join(_error_lines(e)), time.time() - start, ""
+    return None, time.time() - start, text
+
+
+def cubin_stats(cubin: bytes, shared: int) -> str:
+    """What a compiled kernel costs the SM, statically: shared memory, registers and local (spilled) bytes a
+    thread, and the instructions of its largest loop (a K or context loop: one iteration's, each thread's)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sass_stats import disassemble, loop_body
+    sass, regs, local = disassemble(cubin)
+    loop = len(loop_body(sass))
+    return (f"smem {shared} B, {regs} regs, {local} B local, "
+            + (f"loop {loop} instrs" if loop else "no loop (none, or unrolled)"))
 
 
 def _error_lines(e: Exception) -> list[str]:
@@ -207,6 +223,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="compiling processes (default: the CPUs)")
     ap.add_argument("--lines", type=int, default=12, help="lines of each error to print (default 12)")
     ap.add_argument("--no-gpu-path", action="store_true", help="skip the second compile with USE_ASM etc. True")
+    ap.add_argument("--stats", action="store_true",
+                    help="print each compiled kernel's shared memory, registers, spills and largest loop's length")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ["TRITON_INTERPRET"] != "1":
@@ -233,14 +251,15 @@ def main() -> int:
     os.environ.pop("TRITON_INTERPRET")              # the spawned processes inherit the environment
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
                                                 initializer=_init_worker) as pool:
-        futures = {pool.submit(compile_one, spec): spec for spec in specs}
+        futures = {pool.submit(compile_one, spec, args.stats): spec for spec in specs}
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             spec = futures[future]
             try:
-                error, seconds = future.result()
+                error, seconds, stats = future.result()
             except Exception as e:  # noqa: BLE001 - a crashed compiler (the pool then fails the rest too)
-                error, seconds = f"{type(e).__name__}: {e} (a compiling process died)", 0.0
-            print(f"[{done}/{len(specs)}] {'ok  ' if error is None else 'FAIL'} {describe(spec)}  {seconds:.1f}s")
+                error, seconds, stats = f"{type(e).__name__}: {e} (a compiling process died)", 0.0, ""
+            print(f"[{done}/{len(specs)}] {'ok  ' if error is None else 'FAIL'} {describe(spec)}  {seconds:.1f}s"
+                  + (f"\n      {stats}" if stats else ""))
             if error is not None:
                 text = "\n".join(line for line in error.splitlines() if line.strip())
                 lines = text.splitlines()[:args.lines] + [f"(launched by {spec['test']})"]

@@ -107,9 +107,8 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
 
 def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
                  maxnreg: int | None = None) -> tuple[str, int, int]:
-    """(the disassembly, registers a thread at launch, bytes of local memory a thread: spills) of `fn` compiled
-    for sm_90, at most `maxnreg` registers a thread where given (as the launch's option). The local bytes count
-    the stack frame too: ptxas puts a warp-specialized kernel's spills there (STACK), with LOCAL 0."""
+    """`disassemble` of `fn` compiled for sm_90, at most `maxnreg` registers a thread where given (as the
+    launch's option)."""
     constexprs = {**{a: 1 for a in _UNIT if a in fn.arg_names}, **constexprs}
     sig = _signature(fn, types, constexprs)
     names = list(sig)
@@ -118,11 +117,18 @@ def compile_sass(fn, types: dict[str, str], constexprs: dict, num_warps: int, nu
     compiled = triton.compile(source(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages,
                                            **({"maxnreg": maxnreg} if maxnreg else {})))
+    return disassemble(compiled.asm["cubin"])
+
+
+def disassemble(cubin: bytes) -> tuple[str, int, int]:
+    """(the disassembly, registers a thread at launch, bytes of local memory a thread: spills) of a cubin, by
+    the nvdisasm and cuobjdump bundled with Triton. The local bytes count the stack frame too: ptxas puts a
+    warp-specialized kernel's spills there (STACK), with LOCAL 0."""
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
+            f.write(cubin)
         sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", "-g", path], capture_output=True, text=True,
                               check=True).stdout
         usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", path],
