@@ -52,7 +52,14 @@ class Provider:
     can_run: Callable[..., bool]
 
     def supports(self, *args, **kwargs) -> bool:
-        return self.can_run(*_tensors(args, kwargs)) and self.refusal(*args, **kwargs) is None
+        if not self.can_run(*_tensors(args, kwargs)):
+            return False
+        why = self.refusal(*args, **kwargs)
+        if isinstance(why, bool):       # a predicate registered where the refusal goes: it would never serve
+            raise TypeError(f"provider {self.name} ({_qualname(self.fn)}): its refusal returned {why}; "
+                            "register_provider(name, fn, refusal) takes a refusal that returns an error naming "
+                            "the argument it cannot take, or None, not a predicate")
+        return why is None
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

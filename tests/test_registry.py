@@ -287,3 +287,13 @@ def test_a_kernel_this_gpu_cannot_launch_falls_back_under_auto_and_is_refused_un
     other.register_provider("triton", broken, lambda x: None, can_run=lambda *ts: True)
     with ops.use_backend("auto"), pytest.raises(RuntimeError, match="a bug"):
         other(x)
+
+
+def test_a_predicate_registered_as_a_refusal_is_named_not_silently_never_chosen(monkeypatch):
+    """register_provider's third argument is a refusal (an error or None): a predicate there (True or False)
+    would make the provider never serve, so the first call says so."""
+    monkeypatch.setattr(ops, "_OPS", {})
+    op = ops.Op("test_op_predicate", lambda x: x)
+    op.register_provider("triton", lambda x: x, lambda x: True, can_run=lambda *ts: True)
+    with ops.use_backend("auto"), pytest.raises(TypeError, match="its refusal returned True.*not a predicate"):
+        op(torch.zeros(2))
