@@ -1,0 +1,70 @@
+"""The benchmark scripts' cases, run on the CPU at tiny shapes (Triton's interpreter): every timed call runs,
+agrees with its reference, and reads its own operands. They only run for real on the GPU, where a bug costs
+device time: a first bench_ops bound its MoE calls late, so every call ran the last call's operands, and
+only the GPU showed it. Speed is not measured here."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import bench_ops  # noqa: E402
+import sweep_attention  # noqa: E402
+
+TOL = 2e-2   # bf16 outputs: max |provider - reference| over max |reference|
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """bench_ops on the CPU, two calls a replay, every shape small enough for the interpreter."""
+    monkeypatch.setattr(bench_ops, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_ops, "CALLS", 2)
+    monkeypatch.setattr(bench_ops, "QWEN3_NEXT_MOE", dict(e=8, k=2, h=64, i=32))
+    monkeypatch.setattr(bench_ops, "QWEN3_NEXT_ATTN", dict(hq=4, hkv=2, d=32, ctx=48, bs=16))
+    monkeypatch.setattr(bench_ops, "QWEN3_NEXT_SMALL", dict(h=64, v=1000, hq=4, hkv=2, d=32, blocks=16, bs=4))
+
+
+@pytest.mark.parametrize("group", ["moe", "attention", "small"])
+def test_bench_ops_cases_agree_with_their_references_and_each_call_reads_its_own_operands(tiny, group):
+    cases = {"moe": bench_ops.moe_cases, "attention": bench_ops.attention_cases,
+             "small": bench_ops.small_cases}[group]([1, 3])
+    assert cases
+    for name, m, floor_bytes, provs in cases:
+        assert floor_bytes > 0 and len(provs["triton"]) == len(provs["reference"]) == bench_ops.CALLS, name
+        for p in provs:
+            if p != "reference":
+                err = bench_ops._error(provs, p)
+                assert math.isnan(err) if name.startswith("reshape_and_cache") else err < TOL, (name, m, p, err)
+        if group != "small":        # the small ops reuse one input, as a decode step does
+            first, second = (call() for call in provs["triton"])
+            if isinstance(first, tuple):            # the router: (weights, ids)
+                first, second = first[0], second[0]
+            assert not torch.equal(first, second), f"{name} M={m}: its calls ran the same operands"
+
+
+def test_bench_ops_times_the_nvfp4_moe_dot_kernels_beside_the_gemvs_only_where_the_gemvs_run(tiny, monkeypatch):
+    from mtpfactory.kernels import moe
+    monkeypatch.setattr(moe, "GEMV_MAX_ROWS", 2)
+    cases = bench_ops.moe_cases([1, 3])
+    dots = {(name.split()[1], m): "triton-dot" in provs for name, m, _, provs in cases if "fused_moe" in name}
+    assert dots == {("bf16", 1): False, ("nvfp4", 1): True, ("bf16", 3): False, ("nvfp4", 3): False}
+
+
+def test_sweep_attention_runs_every_variant_against_the_reference(tiny, monkeypatch, capsys):
+    """The sweep's loop with the GPU's timing stubbed: one line a variant and setup, each with a small error."""
+    monkeypatch.setattr(sweep_attention, "copy_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(sweep_attention, "graph_time_us", lambda calls: ([c() for c in calls] and 1.0,))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["sweep_attention.py", "--batches", "1,3", "--splits", "0,2", "--block-n", "16",
+                                      "--stages", "0,2", "--rounds", "1"])
+    assert sweep_attention.main() == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("paged_decode_attention")]
+    assert len(rows) == 2 * 2 * 2 * 2          # KV formats x batches x splits x stages
+    assert all(float(row.rsplit("err ", 1)[1]) < TOL for row in rows)
