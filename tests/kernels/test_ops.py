@@ -62,7 +62,7 @@ def test_gpu_a_provider_whose_kernel_the_gpu_cannot_load_falls_back_under_auto(m
 @pytest.mark.parametrize("hq, dtype", [(64, torch.float32), (64, torch.bfloat16), (128, torch.bfloat16)])
 def test_gpu_paged_attention_at_its_largest_tiles_runs_or_falls_back(hq, dtype, monkeypatch, caplog):
     """Large tiles the op takes (64 or 128 q heads on one KV head, D 512) at its default tile. Compiled for
-    sm_90: 64 heads need 192 KB (fp32) and 196 KB (bf16) of shared memory, under the 227 KB a block, and run;
+    sm_90: 64 heads need 192 KiB (bf16) and 196 KiB (fp32) of shared memory, under the 227 KB a block, and run;
     128 need 320 KB, so the GPU cannot load the kernel and `auto` runs the reference, warning once. Either way
     the call gives the reference's result."""
     monkeypatch.setattr(ops, "_warned", set())
