@@ -159,6 +159,18 @@ def _e4m3x4_f32(w, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def nvfp4_words(w_rows, s_rows, mask_n, kk, K, BLOCK_K: tl.constexpr):
+    """The K tile from element kk on of rows of an NVFP4 matrix: its codes as int32 words of 8 [BN, BK/8]
+    (`w_rows` [BN, 1], pointers in words) and its scale bytes [BN, BK/16] (`s_rows` [BN, 1]); zero past K and
+    off the rows where mask_n."""
+    word = kk // 8 + tl.arange(0, BLOCK_K // 8)
+    blk = kk // 16 + tl.arange(0, BLOCK_K // 16)
+    wv = tl.load(w_rows + word[None, :], mask=mask_n[:, None] & (word < K // 8)[None, :], other=0)
+    sb = tl.load(s_rows + blk[None, :], mask=mask_n[:, None] & (blk < K // 16)[None, :], other=0)
+    return wv, sb
+
+
+@triton.jit
 def gemv_nvfp4_step(acc, x_ptr, stride_xk, w_rows, s_rows, mask_n, kk, K, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
     """acc [BN, BK/16] + the K tile from element kk on of one row of x (x_ptr, stride_xk) times rows of an NVFP4
@@ -166,11 +178,10 @@ def gemv_nvfp4_step(acc, x_ptr, stride_xk, w_rows, s_rows, mask_n, kk, K, BLOCK_
     bytes; rows where mask_n), per 16-element block: each word becomes two words of E4M3 bytes (four codes per
     integer op), the hardware widens those to fp32, the FMAs run on exact E2M1 values * 2^-6, and each block's
     sum is multiplied by its scale once. The caller multiplies the row's sum by 2^6 and the global scale."""
-    W: tl.constexpr = BLOCK_K // 8                                   # words of a K tile
     NB: tl.constexpr = BLOCK_K // 16                                 # scale blocks of a K tile
-    word = kk // 8 + tl.arange(0, W)                                 # [W] word index along the row
+    wv, sb = nvfp4_words(w_rows, s_rows, mask_n, kk, K, BLOCK_K)     # [BN, BK/8] int32, [BN, NB] bytes
+    word = kk // 8 + tl.arange(0, BLOCK_K // 8)                      # [BK/8] word index along the row
     mask_w = word < K // 8
-    wv = tl.load(w_rows + word[None, :], mask=mask_n[:, None] & mask_w[None, :], other=0)   # [BN, W] int32
     even, odd = _e2m1_words_to_e4m3(wv)
     e0, e2, e4, e6 = _e4m3x4_f32(even, USE_ASM)                      # [BN, W] elements 8w + 0, 2, 4, 6
     e1, e3, e5, e7 = _e4m3x4_f32(odd, USE_ASM)                       # elements 8w + 1, 3, 5, 7
@@ -184,9 +195,7 @@ def gemv_nvfp4_step(acc, x_ptr, stride_xk, w_rows, s_rows, mask_n, kk, K, BLOCK_
     p += e6 * tl.load(xp + 6 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]
     p += e7 * tl.load(xp + 7 * stride_xk, mask=mask_w, other=0.0).to(tl.float32)[None, :]    # [BN, W]
     block_sum = tl.sum(tl.reshape(p, [BLOCK_N, NB, 2]), axis=2)      # [BN, NB]: two words a block
-    blk = kk // 16 + tl.arange(0, NB)                                # [NB]
-    sb = tl.load(s_rows + blk[None, :], mask=mask_n[:, None] & (blk < K // 16)[None, :], other=0).to(tl.int32)
-    return acc + block_sum * (_e4m3_bits_to_f32(sb) * 256.0)
+    return acc + block_sum * (_e4m3_bits_to_f32(sb.to(tl.int32)) * 256.0)
 
 
 @triton.jit

@@ -54,7 +54,7 @@ import triton.language as tl
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.linear import dot_acc, lowp_dot
-from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, permuted_x
+from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, nvfp4_words, permuted_x
 from mtpfactory.ops import Op, check_out, check_outs, write_outs
 from mtpfactory.quant import dequantize_nvfp4
 
@@ -318,18 +318,6 @@ def _round_act(v, ACT: tl.constexpr, INTERP: tl.constexpr, AS_FP32: tl.constexpr
 
 
 @triton.jit
-def _nvfp4_words(w_rows, s_rows, w_ok, k0, K, BK: tl.constexpr):
-    """The K tile from element k0 on of rows of an NVFP4 matrix: its codes as int32 words of 8 [BR, BK/8]
-    (`w_rows` [BR, 1], pointers in words) and its scale bytes [BR, BK/16] (`s_rows`); zero past K and off the
-    rows where w_ok."""
-    word = k0 // 8 + tl.arange(0, BK // 8)
-    blk = k0 // 16 + tl.arange(0, BK // 16)
-    wv = tl.load(w_rows + word[None, :], mask=w_ok[:, None] & (word < K // 8)[None, :], other=0)
-    sb = tl.load(s_rows + blk[None, :], mask=w_ok[:, None] & (blk < K // 16)[None, :], other=0)
-    return wv, sb
-
-
-@triton.jit
 def _act_tile(a_rows, a_ok, k0, K, BK: tl.constexpr):
     """The K tile from element k0 on of activation rows `a_rows` [BM, 1] (unit stride along K): [BM, BK], zero
     past K and off the rows where a_ok."""
@@ -341,7 +329,7 @@ def _act_tile(a_rows, a_ok, k0, K, BK: tl.constexpr):
 def _nvfp4_dot(acc, x, wv, sb, BR: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, LOWP_DOT: tl.constexpr,
                USE_ASM: tl.constexpr):
     """acc [BM, BR] + x @ w^T over one K tile: x already in `permuted_x`'s order, w's words and scale bytes
-    (`_nvfp4_words`) decoded to E2M1 * scale * 2^-8 (`decoded_tile`: exact in 16 bits, so the dot rounds nothing
+    (`nvfp4_words`) decoded to E2M1 * scale * 2^-8 (`decoded_tile`: exact in 16 bits, so the dot rounds nothing
     before its fp32 sum; the caller multiplies by 2^8 and the global scale)."""
     return dot_acc(x, decoded_tile(wv, sb, BR, BK, USE_ASM), acc, ACT, LOWP_DOT, False)
 
@@ -449,8 +437,8 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr,
             x_rows = x_ptr + rows[:, None] * stride_xm                                              # [BM, 1]
             for k0 in range(0, H, BH):
                 x = permuted_x(_act_tile(x_rows, has, k0, H, BH), BM, BH)                           # [BM, BH]
-                gw, gs = _nvfp4_words(g_rows, gs_rows, i_ok, k0, H, BH)
-                uw, us = _nvfp4_words(u_rows, us_rows, i_ok, k0, H, BH)
+                gw, gs = nvfp4_words(g_rows, gs_rows, i_ok, k0, H, BH)
+                uw, us = nvfp4_words(u_rows, us_rows, i_ok, k0, H, BH)
                 acc_g = _nvfp4_dot(acc_g, x, gw, gs, BI, BH, ACT, LOWP_DOT, USE_ASM)
                 acc_u = _nvfp4_dot(acc_u, x, uw, us, BI, BH, ACT, LOWP_DOT, USE_ASM)
             acc_g *= 256.0 * tl.load(g_ptr + e64 * 2)
@@ -505,7 +493,7 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
                 d_rows = w_ptr + e64 * stride_we + oo[:, None].to(tl.int64) * stride_wn             # [BHO, 1]
                 ds_rows = s_ptr + e64 * stride_se + oo[:, None].to(tl.int64) * stride_sn
                 for k0 in range(0, I, BI):
-                    dw, ds = _nvfp4_words(d_rows, ds_rows, o_ok, k0, I, BI)
+                    dw, ds = nvfp4_words(d_rows, ds_rows, o_ok, k0, I, BI)
                     y = _nvfp4_dot(y, permuted_x(_act_tile(hrow, has, k0, I, BI), BM, BI), dw, ds, BHO, BI, ACT,
                                    LOWP_DOT, USE_ASM)
                 y *= 256.0 * tl.load(g_ptr + e64)
