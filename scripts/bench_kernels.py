@@ -101,6 +101,12 @@ def net_us(calls: list, replay: float, warmup: int = 25, rep: int = 200) -> floa
     return (replay_us(calls + calls, warmup, rep) - replay) / len(calls)
 
 
+def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over max |want|, in fp32: a row's error against its reference."""
+    got, want = got.float(), want.float()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
 def alternating(keys, rounds: int):
     """(round, the keys in that round's order) for `rounds` rounds, the order reversed every other round: the
     power cap slows whichever variant runs after a heavy launch, so no variant always follows the same one.

@@ -27,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import alternating, copy_bandwidth, graph_time_us, weight_bytes  # noqa: E402
+from bench_kernels import alternating, copy_bandwidth, graph_time_us, max_rel_err, weight_bytes  # noqa: E402
 
 from mtpfactory import ops  # noqa: E402
 from mtpfactory.kernels import moe  # noqa: E402
@@ -207,10 +207,7 @@ def _error(provs: dict, p: str) -> float:
     for ops that return nothing (the cache writes, checked by the tests)."""
     got, want = provs[p][0](), provs["reference"][0]()
     got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
-    if got is None:
-        return float("nan")
-    got, want = got.float(), want.float()
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    return float("nan") if got is None else max_rel_err(got, want)
 
 
 def run(cases: list[tuple], bw: float, rounds: int, reference: bool) -> list[dict]:

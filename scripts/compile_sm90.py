@@ -185,7 +185,9 @@ def compile_one(spec: dict, stats: bool = False) -> tuple[str | None, float, str
 def cubin_stats(cubin: bytes, shared: int) -> str:
     """What a compiled kernel costs the SM, statically: shared memory, registers and local (spilled) bytes a
     thread, and the instructions of its largest loop (a K or context loop: one iteration's, each thread's)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:                        # once a compiling process, not once a kernel
+        sys.path.insert(0, here)
     from sass_stats import disassemble, loop_body
     sass, regs, local = disassemble(cubin)
     loop = len(loop_body(sass))

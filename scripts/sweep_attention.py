@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import alternating, copy_bandwidth, graph_time_us  # noqa: E402
+from bench_kernels import alternating, copy_bandwidth, graph_time_us, max_rel_err  # noqa: E402
 from bench_ops import attention_setups  # noqa: E402
 
 from mtpfactory.kernels.paged_attention import paged_decode_attention, paged_decode_attention_triton  # noqa: E402
@@ -47,8 +47,7 @@ def main() -> int:
             s, bn, w, f, st = v
             calls[v] = [lambda a=a, s=s, bn=bn, w=w, f=f, st=st: paged_decode_attention_triton(
                 *a, num_splits=s, block_n=bn, num_warps=w, fast_dot=f, num_stages=st) for a in operands]
-            got = calls[v][0]().float()
-            errs[v] = ((got - want.float()).abs().max() / want.float().abs().max()).item()
+            errs[v] = max_rel_err(calls[v][0](), want)
         times = {v: [] for v in calls}
         for _, order in alternating(list(calls), args.rounds):
             for v in order:

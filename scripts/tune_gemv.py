@@ -44,6 +44,7 @@ from bench_kernels import (  # noqa: E402
     copy_bandwidth,
     copy_bandwidth_net,
     formats,
+    max_rel_err,
     net_us,
     replay_us,
     weight_bytes,
@@ -122,7 +123,7 @@ def main() -> int:
                     set_x_pass(x_pass)
                     try:
                         y = call(x, w0, plan)
-                        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                        err = max_rel_err(y, ref)
                         us = time_us([lambda t=t: call(x, t, plan) for t in w[key]])
                     except Exception as e:  # noqa: BLE001  (a tile that does not compile is reported)
                         print(f"  {shape} M={m} {fname} {plan} failed: {type(e).__name__} {str(e)[:80]}")
