@@ -135,6 +135,17 @@ def _store_out(acc, l_i, out_ptr, gate_ptr, pid_b, q_heads, d, row_mask, d_mask,
 
 
 @triton.jit
+def _fp16_top_binade(amax):
+    """(2^j, 2^-j) for each element of amax (>= 0): x * 2^j puts a row whose largest |x| is amax into
+    [2^14, 2^15), fp16's top binade (exactly: a power of two), so that it neither overflows fp16 nor sinks
+    into its subnormals. j is held within [-126, 126], both powers normal fp32 (amax 0 or subnormal takes
+    2^126, inf or NaN 2^-126)."""
+    top = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # the biased exponent
+    j = tl.minimum(tl.maximum(141 - top, -126), 126)  # 14 - (top - 127)
+    return ((j + 127) << 23).to(tl.float32, bitcast=True), ((127 - j) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gate_ptr, bt_ptr, cl_ptr, out_ptr,
         pacc_ptr, pm_ptr, pl_ptr,  # split partials: [B, kv_heads, S, G_PAD, D_PAD], [B, kv_heads, S, G_PAD] x2
@@ -144,7 +155,7 @@ def _paged_decode_kernel(
         GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_K_SCALE: tl.constexpr,
         HAS_V_SCALE: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, Q_POW2: tl.constexpr, P_POW2: tl.constexpr):
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)  # KV head
     pid_s = tl.program_id(2)  # context split
@@ -160,7 +171,15 @@ def _paged_decode_kernel(
     d_mask = d < HEAD_DIM
     q_heads = pid_h * GROUP + g  # q head j reads KV head j // GROUP
     q = tl.load(q_ptr + pid_b * s_qb + q_heads[:, None] * s_qh + d[None, :] * s_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)  # [G_PAD, D_PAD]
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [G_PAD, D_PAD]
+    rows = tl.full([G_PAD], 1.0, tl.float32) * scale_log2e  # what each q row's scores are multiplied by
+    if Q_POW2:
+        # fp16 dots on a bf16 q: each row in fp16's top binade, its scores scaled back. q stays exact (bf16's 8
+        # bits fit fp16's 11 down to 2^-31 of the row's largest element) and cannot overflow.
+        q_up, q_down = _fp16_top_binade(tl.max(tl.abs(q), axis=1))
+        q = q * q_up[:, None]
+        rows = rows * q_down
+    q = q.to(DOT_DTYPE)
 
     # The max starts at -inf (a finite stand-in would swallow rows whose scores all lie below it) and the
     # exponents subtract m_safe, 0 while the max is still -inf: every exp2 then sees -inf (0), never
@@ -180,10 +199,9 @@ def _paged_decode_kernel(
                     mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, D_PAD]
         # The scale is factored out of the dot: q and K stay exact in the dot's dtype when they come
         # from 16-bit or FP8 values, so the products are exact and only the fp32 accumulation rounds.
-        col = tl.full([BLOCK_N], 1.0, tl.float32) * scale_log2e
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * rows[:, None]  # [G_PAD, BLOCK_N]
         if HAS_K_SCALE:
-            col = col * tl.load(ks_ptr + blk * s_ksb + off * s_kst + pid_h * s_ksh, mask=t_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * col[None, :]  # [G_PAD, BLOCK_N]
+            s = s * tl.load(ks_ptr + blk * s_ksb + off * s_kst + pid_h * s_ksh, mask=t_mask, other=0.0)[None, :]
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -194,7 +212,16 @@ def _paged_decode_kernel(
                     mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, D_PAD]
         if HAS_V_SCALE:
             p = p * tl.load(vs_ptr + blk * s_vsb + off * s_vst + pid_h * s_vsh, mask=t_mask, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        if P_POW2:
+            # fp16 dots on p times V's scales, which may lie anywhere in fp32's range: each row of the tile in
+            # fp16's top binade, the dot's rows scaled back (exact: powers of two). A term sinks into fp16's
+            # subnormals only 2^-28 below its row's largest in the tile.
+            p_up, p_down = _fp16_top_binade(tl.max(tl.abs(p), axis=1))
+            p = p * p_up[:, None]
+        pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)  # [G_PAD, D_PAD]
+        if P_POW2:
+            pv = pv * p_down[:, None]
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -251,6 +278,21 @@ def _default_splits(q: torch.Tensor, programs: int, max_tokens: int, block_n: in
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     want = -(-2 * sms // programs)
     return max(1, min(want, max_tokens // max(256, block_n), 64))
+
+
+def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, fast_dot: bool) -> tl.dtype:
+    """The dots' operand dtype. fp32 by default: "ieee" when q or the cache is fp32, tf32 otherwise (exact
+    products for 16-bit and FP8 values, p rounded to 10 mantissa bits). With `fast_dot`: fp16 for an FP8
+    cache, whose values fp16 holds exactly (one conversion a pair; q's rows and V's scales are brought into
+    its range by the kernel), so the numerics stay tf32's; q's dtype for a cache of q's 16-bit dtype (p
+    rounded to it), on the GPU only: the interpreter's bf16 dots are wrong, and a CPU call keeps fp32."""
+    if not fast_dot or torch.float32 in (q.dtype, k_cache.dtype):
+        return tl.float32
+    if k_cache.dtype == torch.float8_e4m3fn:
+        return tl.float16
+    if k_cache.dtype == q.dtype and (q.is_cuda or q.dtype == torch.float16):
+        return _TL_DTYPES[q.dtype]
+    return tl.float32
 
 
 _MAX_BLOCK = tl.TRITON_MAX_TENSOR_NUMEL    # the most elements of one tile
@@ -373,9 +415,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     it cannot refuse what the reference refuses: a context length past the block table is clamped to it, and
     a block id out of range drops its tokens (nothing is read out of bounds).
 
-    The dots take fp32 operands (tf32 on the GPU: exact products for 16-bit and FP8 inputs, p rounded to
-    10 mantissa bits), "ieee" when q or the cache is fp32. `fast_dot` (GPU, 16-bit q) runs them in q's
-    dtype instead, the flash-attention way: p rounded to bf16/fp16, less register and shared memory.
+    The dots' dtype is `_dot_dtype`'s: fp32 by default; with `fast_dot` fp16 for an FP8 cache (tf32's
+    numerics, without converting each value on to fp32) and q's dtype for a 16-bit cache of it, the
+    flash-attention way (p rounded to bf16: less register and shared memory).
     Operands as `paged_decode_attention_refusal` says, tuning arguments as `tuning_refusal`."""
     if err := (paged_decode_attention_refusal(q, k_cache, v_cache, block_tables, context_lens, scale, gate, k_scale,
                                               v_scale)
@@ -407,8 +449,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     split_len = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
     splits = triton.cdiv(max_tokens, split_len)  # no split left empty for every row
     exact = torch.float32 in (q.dtype, k_cache.dtype)
-    fast_dot = bool(fast_dot) and q.is_cuda and not exact and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
-    dot_dtype = _TL_DTYPES[q.dtype] if fast_dot else tl.float32
+    dot_dtype = _dot_dtype(q, k_cache, fast_dot)
     if splits > 1:
         pacc = torch.empty(b, hkv, splits, g_pad, d_pad, dtype=torch.float32, device=q.device)
         pm = torch.empty(b, hkv, splits, g_pad, dtype=torch.float32, device=q.device)
@@ -428,6 +469,8 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         *block_tables.stride(),
         BLOCK_SIZE=bs, BLOCK_N=block_n, NUM_SPLITS=splits, HAS_K_SCALE=k_scale is not None,
         HAS_V_SCALE=v_scale is not None, DOT_DTYPE=dot_dtype,
+        Q_POW2=dot_dtype == tl.float16 and q.dtype == torch.bfloat16,
+        P_POW2=dot_dtype == tl.float16 and v_scale is not None,
         DOT_PRECISION="ieee" if exact else "tf32", num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)), **consts)
     if splits > 1:

@@ -1,10 +1,10 @@
 """The ops other than the linears on the GPU: fused MoE (BF16 and NVFP4 experts) and its routing, paged decode
-attention (BF16 and FP8 KV), and the small ops (RMSNorm with its residual, NeoX RoPE, argmax, the embedding
-gather, both cache writes), each Triton provider beside its reference measured in the same run (the peer),
-each figure beside its floor: the bytes the op must move over the copy bandwidth measured at the start, and
-its error against the reference (max |difference| over max |reference|, one call). The references are timed in
-the first round only. Where the NVFP4 experts run as GEMVs (N <= `moe.GEMV_MAX_ROWS`), the dot kernels they
-replace are timed beside them (`triton-dot`).
+attention (BF16 KV, FP8 with unit and with per-token scales), and the small ops (RMSNorm with its residual, NeoX
+RoPE, argmax, the embedding gather, both cache writes), each Triton provider beside its reference measured in
+the same run (the peer), each figure beside its floor: the bytes the op must move over the copy bandwidth
+measured at the start, and its error against the reference (max |difference| over max |reference|, one call).
+The references are timed in the first round only. Where the NVFP4 experts run as GEMVs (N <=
+`moe.GEMV_MAX_ROWS`), the dot kernels they replace are timed beside them (`triton-dot`).
 
 Timing as `bench_kernels.py` does it: the median of `do_bench` over CUDA-graph replays of C calls, in
 alternating rounds. The MoE and attention calls each read their own experts or KV blocks (C routings, C block
@@ -126,10 +126,14 @@ def _with(backend: str, op, *args, **kwargs):
         return op(*args, **kwargs)
 
 
-def attention_setups(ms: list[int]):
-    """(name, batch, floor bytes, [each call's operands]) for paged decode attention with the output gate, BF16
-    and FP8 KV (per-token scales), every sequence at the same context; each call its own blocks. The floor
-    counts K and V of the contexts (and FP8's scales), q, the gate and out."""
+KV_FORMATS = ("bf16", "fp8", "fp8_scaled")  # kv=bf16; kv=fp8 (unit scales, its default); kv=fp8 with kv_exact
+
+
+def attention_setups(ms: list[int], kvs: tuple[str, ...] = KV_FORMATS):
+    """(name, batch, floor bytes, [each call's operands]) for paged decode attention with the output gate, for
+    each KV format of `kvs` (`KV_FORMATS`: BF16, FP8 with unit scales, FP8 with per-token scales), every
+    sequence at the same context; each call its own blocks. The floor counts K and V of the contexts (and
+    their scales), q, the gate and out."""
     hq, hkv, d, ctx, bs = QWEN3_NEXT_ATTN.values()
     gen = torch.Generator(DEVICE).manual_seed(1)
     per_seq = ctx // bs
@@ -139,19 +143,21 @@ def attention_setups(ms: list[int]):
         gate = torch.randn(b, hq, d, device=DEVICE, dtype=BF16, generator=gen)
         lens = torch.full((b,), ctx, device=DEVICE, dtype=torch.int32)
         tables = torch.randperm(blocks, device=DEVICE, generator=gen).view(CALLS, b, per_seq).int()
-        for kv in ("bf16", "fp8"):
+        for kv in kvs:
             shape = (blocks, bs, hkv, d)
+            ks = vs = None
             if kv == "bf16":
                 kc = torch.randn(shape, device=DEVICE, dtype=BF16, generator=gen)
                 vc = torch.randn(shape, device=DEVICE, dtype=BF16, generator=gen)
-                ks = vs = None
             else:
                 kc = torch.randn(shape, device=DEVICE, generator=gen).to(torch.float8_e4m3fn)
                 vc = torch.randn(shape, device=DEVICE, generator=gen).to(torch.float8_e4m3fn)
-                ks = torch.rand(shape[:3], device=DEVICE, generator=gen) + 0.5
-                vs = torch.rand(shape[:3], device=DEVICE, generator=gen) + 0.5
+                if kv == "fp8_scaled":
+                    ks = torch.rand(shape[:3], device=DEVICE, generator=gen) + 0.5
+                    vs = torch.rand(shape[:3], device=DEVICE, generator=gen) + 0.5
             per_token = (nbytes(kc[0, 0]) + nbytes(vc[0, 0]) + (nbytes(ks[0, 0]) * 2 if ks is not None else 0))
-            yield (f"paged_decode_attention {kv} KV, {hq}/{hkv} heads x {d}, context {ctx}", b,
+            label = {"bf16": "bf16", "fp8": "fp8 (unit scales)", "fp8_scaled": "fp8 (scales)"}[kv]
+            yield (f"paged_decode_attention {label} KV, {hq}/{hkv} heads x {d}, context {ctx}", b,
                    b * ctx * per_token + 3 * nbytes(q),
                    [(q, kc, vc, tables[c], lens, d ** -0.5, gate, ks, vs) for c in range(CALLS)])
 

@@ -19,8 +19,8 @@ USE_ASM (the inline PTX, `tl.inline_asm_elementwise`), LIBDEVICE_TRIG (rope's li
 (True in the interpreter: its own fp8 and dot workarounds) the other way. Every specialization with one of
 these as the interpreter sets it is compiled a second time with all of them as the GPU sets them (marked `gpu
 path`: more than the GPU runs, which takes PDL only beside x's pass and LOWP_DOT only for 16-bit x, but each
-compiles). Not flipped:
-paged attention's `fast_dot` (DOT_DTYPE bf16/fp16 instead of fp32; its tests on the CPU never ask for it).
+compiles). Not flipped: paged attention's `fast_dot` on a BF16 cache (DOT_DTYPE bf16 instead of fp32, GPU
+only: the interpreter's bf16 dots are wrong); its fp16 dots on an FP8 cache the CPU tests run.
 
 Not covered: Gluon kernels (`@gluon.jit`, gemm_nvfp4_wgmma.py) cannot run in the interpreter, so no launch is
 recorded (scripts/sass_stats.py nvfp4-wgmma compiles them); kernels no selected test launches; specializations

@@ -1,11 +1,11 @@
 """Paged decode attention's tuning on the GPU: context splits, tokens a tile, warps, the dots' dtype and the pipeline's
 depth (`paged_decode_attention_triton`'s num_splits, block_n, num_warps, fast_dot and num_stages) at bench_ops.py's
-Qwen3-Next shapes (16 q / 2 KV heads x 256, context 4096, the output gate; BF16 and FP8 KV), each call on its own
-blocks; each figure beside its floor (K and V of the contexts over the copy bandwidth), the default tuning's (the
-op's) in the same rounds, and its error against the reference.
+Qwen3-Next shapes (16 q / 2 KV heads x 256, context 4096, the output gate; BF16 KV, FP8 with unit and with
+per-token scales), each call on its own blocks; each figure beside its floor (K and V of the contexts over the
+copy bandwidth), the default tuning's (the op's) in the same rounds, and its error against the reference.
 
     python3 scripts/sweep_attention.py [--batches 1,8,32] [--splits 0,16,32,64,128] [--block-n 16,64]
-        [--warps 4] [--fast-dot 0] [--stages 0] [--rounds 3]
+        [--warps 4] [--fast-dot 0] [--stages 0] [--kv bf16,fp8,fp8_scaled] [--rounds 3]
         (splits 0: the default, `_default_splits`; stages 0: Triton's default; every combination is timed)
 """
 
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import alternating, copy_bandwidth, graph_time_us, max_rel_err  # noqa: E402
-from bench_ops import attention_setups  # noqa: E402
+from bench_ops import KV_FORMATS, attention_setups  # noqa: E402
 
 from mtpfactory.kernels.paged_attention import paged_decode_attention, paged_decode_attention_triton  # noqa: E402
 
@@ -31,16 +31,20 @@ def main() -> int:
     ap.add_argument("--splits", default="0,16,32,64,128")
     ap.add_argument("--block-n", default="16,64")
     ap.add_argument("--warps", default="4")
-    ap.add_argument("--fast-dot", default="0", help="0, 1 or 0,1: the dots in fp32 (tf32) or in q's dtype")
+    ap.add_argument("--fast-dot", default="0", help="0, 1 or 0,1: the dots in fp32 (tf32), or fast (_dot_dtype)")
     ap.add_argument("--stages", default="0", help="software pipeline depths; 0: Triton's default")
+    ap.add_argument("--kv", default=",".join(KV_FORMATS), help=f"KV formats, of {', '.join(KV_FORMATS)}")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    kvs = tuple(args.kv.split(","))
+    if unknown := set(kvs) - set(KV_FORMATS):
+        ap.error(f"--kv {args.kv}: {', '.join(sorted(unknown))} unknown; the formats are {', '.join(KV_FORMATS)}")
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
     variants = [(s or None, bn, w, bool(f), st or None) for s in ints(args.splits) for bn in ints(args.block_n)
                 for w in ints(args.warps) for f in ints(args.fast_dot) for st in ints(args.stages)]
-    for name, b, floor_bytes, operands in attention_setups([int(v) for v in args.batches.split(",")]):
+    for name, b, floor_bytes, operands in attention_setups([int(v) for v in args.batches.split(",")], kvs):
         want = paged_decode_attention.reference(*operands[0])
         calls, errs = {}, {}
         for v in variants:

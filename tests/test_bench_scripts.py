@@ -63,8 +63,8 @@ def test_sweep_attention_runs_every_variant_against_the_reference(tiny, monkeypa
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(sys, "argv", ["sweep_attention.py", "--batches", "1,3", "--splits", "0,2", "--block-n", "16",
-                                      "--stages", "0,2", "--rounds", "1"])
+                                      "--stages", "0,2", "--fast-dot", "1", "--rounds", "1"])
     assert sweep_attention.main() == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("paged_decode_attention")]
-    assert len(rows) == 2 * 2 * 2 * 2          # KV formats x batches x splits x stages
+    assert len(rows) == 3 * 2 * 2 * 2          # KV formats x batches x splits x stages
     assert all(float(row.rsplit("err ", 1)[1]) < TOL for row in rows)

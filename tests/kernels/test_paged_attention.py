@@ -21,10 +21,11 @@ import os
 
 import pytest
 import torch
+import triton.language as tl
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError, MtpfError
-from mtpfactory.kernels.paged_attention import paged_decode_attention, paged_decode_attention_triton
+from mtpfactory.kernels.paged_attention import _dot_dtype, paged_decode_attention, paged_decode_attention_triton
 
 # The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -170,6 +171,41 @@ def test_triton_split_context(num_splits, block_n, num_stages, kv, q_dtype, d):
     out = run_triton(*args, num_splits=num_splits, block_n=block_n, num_stages=num_stages)
     torch.testing.assert_close(out, run_native(*args), **TOL[q_dtype])
     assert (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("kv, q_dtype", [("fp8", torch.bfloat16), ("fp8_scaled", torch.bfloat16),
+                                         ("fp8_scaled", torch.float16)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_fast_dot_on_an_fp8_cache_runs_fp16_dots(kv, q_dtype, num_splits):
+    """fast_dot on an FP8 cache: fp16 dots, which the interpreter runs right (its bf16 dots it does not). A
+    group's q heads span 2^32 in size (x 2^16, past fp16's range, a one-hot softmax; x 1; x 2^-16; 2^20 for
+    an fp16 q) and the V scales up to 2^40, shuffled over the blocks: each row of q and of a tile's p is put
+    into fp16's range on its own. Compared relative to each head's largest output: against the reference at
+    the BF16 tolerance, and against the fp32-dot provider within 2^-7 (observed 2^-8, one BF16 rounding
+    flipped; each of the four scalings left out fails, a p sunk to zero by 1.0)."""
+    args = list(make_case(3, 6, 2, 40, 4, [13, 4, 26], kv, q_dtype, seed=11))
+    top = 16 if q_dtype == torch.bfloat16 else 10  # bf16's x 2^16 leaves fp16's range
+    heads = 2.0 ** torch.linspace(top, -top, 3).repeat(2)  # each KV head's group: x 2^top, x 1, x 2^-top
+    args[0] = (args[0].float() * heads[:, None]).to(q_dtype)
+    if args[8] is not None:  # V scales from 2^-20 to 2^20 across the blocks (2^-8 to 2^8: an fp16 out holds it)
+        span = 20 if q_dtype == torch.bfloat16 else 8
+        args[8] = args[8] * 2.0 ** torch.linspace(-span, span, args[8].shape[0])[:, None, None]
+    out = run_triton(*args, num_splits=num_splits, fast_dot=True).float()
+    want = run_native(*args).float()
+    size = want.abs().amax(dim=-1, keepdim=True)
+    torch.testing.assert_close(out / size, want / size, atol=1e-2, rtol=1e-2)
+    fp32_dots = run_triton(*args, num_splits=num_splits).float()
+    torch.testing.assert_close(out / size, fp32_dots / size, atol=2**-7, rtol=0)
+
+
+def test_fast_dot_takes_fp16_for_an_fp8_cache_and_q_dtype_for_a_16_bit_one():
+    q = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    bf16_cache, fp8_cache = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16), torch.zeros(1, 1, 1, 16, dtype=FP8)
+    assert _dot_dtype(q, fp8_cache, False) == tl.float32
+    assert _dot_dtype(q, fp8_cache, True) == tl.float16
+    assert _dot_dtype(q, bf16_cache, True) == tl.float32  # bf16 dots: GPU only
+    assert _dot_dtype(q.half(), bf16_cache.half(), True) == tl.float16
+    assert _dot_dtype(q.float(), fp8_cache, True) == tl.float32  # fp32 q: exact dots
 
 
 def test_triton_ungated_and_strided_q():
@@ -483,7 +519,8 @@ def test_gpu_triton_matches_reference(b, kv, num_splits, fast_dot):
     lens = torch.randint(1000, 4001, (b,), generator=torch.Generator().manual_seed(b)).tolist()
     args = make_case(b, 16, 2, 256, 16, lens, kv, torch.bfloat16, seed=b, device="cuda")
     # tf32 dots on GPU: q.K is exact (16-bit and FP8 values fit tf32), p.V truncates p to 10 mantissa
-    # bits (2**-10 relative); fast_dot rounds p to bf16 (2**-9): both well inside the BF16 output tolerance.
+    # bits (2**-10 relative); fast_dot rounds p to bf16 (2**-9) on a BF16 cache and to fp16 (2**-11) on an
+    # FP8 one: all well inside the BF16 output tolerance.
     out = run_triton(*args, num_splits=num_splits, fast_dot=fast_dot)
     torch.testing.assert_close(out, run_native(*args), **TOL[torch.bfloat16])
 
