@@ -160,8 +160,10 @@ def _paged_decode_kernel(
     pid_h = tl.program_id(1)  # KV head
     pid_s = tl.program_id(2)  # context split
     # Clamped to what the block table holds, and a block id outside [0, num_blocks) masks its tokens: the
-    # reference refuses both (a sync); here they read nothing out of bounds.
-    n = tl.minimum(tl.maximum(tl.load(cl_ptr + pid_b).to(tl.int64), 0), max_tokens)
+    # reference refuses both (a sync); here they read nothing out of bounds. Clamped in int64 (an int64 length
+    # may not fit int32), then counted in int32 (tables of at most 2^30 tokens): a tile's positions, blocks and
+    # offsets in int64 cost 50-60 instructions of a loop of 400-900 (compiled for sm_90).
+    n = tl.minimum(tl.maximum(tl.load(cl_ptr + pid_b).to(tl.int64), 0), max_tokens).to(tl.int32)
     start = pid_s * split_len
     end = tl.minimum(start + split_len, n)
 
@@ -299,6 +301,7 @@ _MAX_BLOCK = tl.TRITON_MAX_TENSOR_NUMEL    # the most elements of one tile
 _MAX_SEQS = 2**31 - 1                      # grid axis 0 (sequences)
 _MAX_PROGRAMS = 65535                      # grid axes 1 (KV heads) and 2 (context splits)
 _MAX_D = 512
+_MAX_TOKENS = 2**30                        # a block table's tokens: positions and split ends stay in int32
 _WARPS = (1, 2, 4, 8, 16, 32)
 _MAX_STAGES = 8
 _REDUCE_BLOCK_D = 32                       # a reduce program's dims: D 256 gives 8 programs a (sequence, KV head)
@@ -325,7 +328,8 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     q_heads, at most 65535 (the grid), a group's [q_heads / kv_heads, D] tile (padded to powers of two >= 16)
     of at most 2^20 elements; FP8 only on the CPU or sm_89 and later (which convert E4M3); v_cache of k_cache's
     shape and dtype; gate None or bf16, fp16 or fp32 of q's shape; k_scale, v_scale None or float32 [blocks,
-    block_size, kv_heads]; block_tables an int32 or int64 [B, max_blocks]; context_lens an int32 or int64 [B];
+    block_size, kv_heads]; block_tables an int32 or int64 [B, max_blocks] of at most 2^30 tokens (max_blocks x
+    block_size); context_lens an int32 or int64 [B];
     any strides; all on q's device. `out` is checked where it is written (`check_out`)."""
     if err := _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale):
         return err
@@ -367,6 +371,11 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         if t.dtype not in _INTS or t.shape[0] != b:
             return InputError(name, f"{t.dtype} {list(t.shape)}", f"an int32 or int64 {dims} tensor, B = q's {b}",
                               f"pass {name}[:{b}] as int32 or int64 ({name}.int())")
+    if (tokens := block_tables.shape[1] * k_cache.shape[1]) > _MAX_TOKENS:
+        return InputError("block_tables", f"{block_tables.shape[1]} blocks of {k_cache.shape[1]} tokens ({tokens})",
+                          f"a table of at most {_MAX_TOKENS} tokens (max_blocks x block_size: the kernel counts "
+                          "tokens in int32)", "call the op (`paged_decode_attention`) under runtime.backend=auto: it "
+                          "runs the reference for longer tables")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
                     ("context_lens", context_lens), ("gate", gate), ("k_scale", k_scale), ("v_scale", v_scale)):
         if t is not None and t.device != q.device:

@@ -285,6 +285,9 @@ def test_context_past_the_block_table_refused_by_the_reference_and_clamped_by_th
         run_native(q, k, v, wide[:, :2], long, scale, gate)
     got = run_triton(q, k, v, wide[:, :2], long, scale, gate)
     torch.testing.assert_close(got, run_native(q, k, v, wide[:, :2], lens, scale, gate), **TOL[torch.bfloat16])
+    # an int64 length past int32 is clamped before the kernel counts in int32 (2^32 + 3 would wrap to 3)
+    got = run_triton(q, k, v, wide[:, :2], torch.tensor([2**32 + 3, 9], device=device), scale, gate)
+    torch.testing.assert_close(got, run_native(q, k, v, wide[:, :2], lens, scale, gate), **TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -380,6 +383,8 @@ BAD = {
     "block_tables of fewer rows": (_with(block_tables=lambda a: a["block_tables"][:1]), "block_tables", "B = 2"),
     "block_tables of more rows": (_with(block_tables=lambda a: a["block_tables"].repeat(2, 1)), "block_tables",
                                   r"int32 or int64 \[B, max_blocks\] tensor, B = q's 2"),
+    "block_tables past 2^30 tokens": (_with(block_tables=lambda a: a["block_tables"][:, :1].expand(2, 2**28 + 1)),
+                                      "block_tables", r"of at most 1073741824 tokens \(max_blocks x block_size"),
     "block_tables bool": (_with(block_tables=lambda a: a["block_tables"] > 0), "block_tables", "int32 or int64"),
     "context_lens of fewer rows": (_with(context_lens=lambda a: a["context_lens"][:1]), "context_lens",
                                    r"a \[B\] tensor"),
