@@ -176,20 +176,21 @@ def test_triton_split_context(num_splits, block_n, num_stages, kv, q_dtype, d):
 @pytest.mark.parametrize("kv, q_dtype", [("fp8", torch.bfloat16), ("fp8_scaled", torch.bfloat16),
                                          ("fp8_scaled", torch.float16)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_fast_dot_on_an_fp8_cache_runs_fp16_dots(kv, q_dtype, num_splits):
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_fast_dot_on_an_fp8_cache_runs_fp16_dots(kv, q_dtype, num_splits, device):
     """fast_dot on an FP8 cache: fp16 dots, which the interpreter runs right (its bf16 dots it does not). A
     group's q heads span 2^32 in size (x 2^16, past fp16's range, a one-hot softmax; x 1; x 2^-16; 2^20 for
     an fp16 q) and the V scales up to 2^40, shuffled over the blocks: each row of q and of a tile's p is put
     into fp16's range on its own. Compared relative to each head's largest output: against the reference at
     the BF16 tolerance, and against the fp32-dot provider within 2^-7 (observed 2^-8, one BF16 rounding
     flipped; each of the four scalings left out fails, a p sunk to zero by 1.0)."""
-    args = list(make_case(3, 6, 2, 40, 4, [13, 4, 26], kv, q_dtype, seed=11))
+    args = list(make_case(3, 6, 2, 40, 4, [13, 4, 26], kv, q_dtype, seed=11, device=device))
     top = 16 if q_dtype == torch.bfloat16 else 10  # bf16's x 2^16 leaves fp16's range
-    heads = 2.0 ** torch.linspace(top, -top, 3).repeat(2)  # each KV head's group: x 2^top, x 1, x 2^-top
+    heads = 2.0 ** torch.linspace(top, -top, 3, device=device).repeat(2)  # a group: x 2^top, x 1, x 2^-top
     args[0] = (args[0].float() * heads[:, None]).to(q_dtype)
     if args[8] is not None:  # V scales from 2^-20 to 2^20 across the blocks (2^-8 to 2^8: an fp16 out holds it)
         span = 20 if q_dtype == torch.bfloat16 else 8
-        args[8] = args[8] * 2.0 ** torch.linspace(-span, span, args[8].shape[0])[:, None, None]
+        args[8] = args[8] * 2.0 ** torch.linspace(-span, span, args[8].shape[0], device=device)[:, None, None]
     out = run_triton(*args, num_splits=num_splits, fast_dot=True).float()
     want = run_native(*args).float()
     size = want.abs().amax(dim=-1, keepdim=True)
@@ -531,14 +532,15 @@ def test_gpu_triton_matches_reference(b, kv, num_splits, fast_dot):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["bf16", "fp8_scaled"])
-@pytest.mark.parametrize("num_stages, block_n", [(1, 16), (2, 64), (4, 16), (4, 64)])
-def test_gpu_pipeline_depths_and_tiles_match_reference(kv, num_stages, block_n):
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8_scaled"])
+@pytest.mark.parametrize("num_stages, block_n", [(1, 16), (1, 32), (2, 64), (4, 16), (4, 64)])
+@pytest.mark.parametrize("fast_dot", [False, True])
+def test_gpu_pipeline_depths_and_tiles_match_reference(kv, num_stages, block_n, fast_dot):
     """The software pipeline's depth (`num_stages`, which the interpreter ignores) and the tile the sweep
     (scripts/sweep_attention.py) times: each launch still attends every token once."""
     lens = [4096, 1, 3001, 16, 2500, 0, 4095, 777]
     args = make_case(8, 16, 2, 256, 16, lens, kv, torch.bfloat16, seed=num_stages * 100 + block_n, device="cuda")
-    out = run_triton(*args, num_stages=num_stages, block_n=block_n)
+    out = run_triton(*args, num_stages=num_stages, block_n=block_n, fast_dot=fast_dot)
     torch.testing.assert_close(out, run_native(*args), **TOL[torch.bfloat16])
 
 
