@@ -43,7 +43,7 @@ DEVICES = [
 
 def make_case(b: int, hq: int, hkv: int, d: int, bs: int, ctx: list[int], kv: str, q_dtype: torch.dtype,
               seed: int = 0, device: str = "cpu", spare_cols: int = 1):
-    """Inputs of the op: q, K/V caches (kv: bf16, fp32, fp8, fp8_scaled), block tables with shuffled block
+    """Inputs of the op: q, K/V caches (kv: bf16, fp16, fp32, fp8, fp8_scaled), block tables with shuffled block
     ids and `spare_cols` padding entries (block 0, poisoned), context lens, scale, gate, k/v scales."""
     gen = torch.Generator(device=device).manual_seed(seed)
     nblk = [math.ceil(n / bs) for n in ctx]
@@ -68,7 +68,7 @@ def make_case(b: int, hq: int, hkv: int, d: int, bs: int, ctx: list[int], kv: st
         k_scale = torch.rand(nb, bs, hkv, generator=gen, device=device) / 16 + 1 / 64
         v_scale = torch.rand(nb, bs, hkv, generator=gen, device=device) / 16 + 1 / 64
     else:
-        dtype = dict(bf16=torch.bfloat16, fp32=torch.float32, fp8=FP8)[kv]
+        dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32, fp8=FP8)[kv]
         k, v = k.to(dtype), v.to(dtype)
     poison = ~readable[..., None, None].expand(shape)
     k, v = _poison(k, poison), _poison(v, poison)
@@ -197,6 +197,14 @@ def test_triton_fast_dot_on_an_fp8_cache_runs_fp16_dots(kv, q_dtype, num_splits,
     torch.testing.assert_close(out / size, want / size, atol=1e-2, rtol=1e-2)
     fp32_dots = run_triton(*args, num_splits=num_splits).float()
     torch.testing.assert_close(out / size, fp32_dots / size, atol=2**-7, rtol=0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_fast_dot_on_an_fp16_cache_runs_fp16_dots(num_splits):
+    """fast_dot on an fp16 q and cache: fp16 dots (p rounded to fp16), in the interpreter as on the GPU."""
+    args = make_case(3, 6, 2, 40, 4, [13, 4, 26], "fp16", torch.float16, seed=12)
+    out = run_triton(*args, num_splits=num_splits, fast_dot=True)
+    torch.testing.assert_close(out, run_native(*args), atol=1e-2, rtol=1e-2)
 
 
 def test_fast_dot_takes_fp16_for_an_fp8_cache_and_q_dtype_for_a_16_bit_one():
