@@ -217,6 +217,16 @@ def test_fast_dot_takes_fp16_for_an_fp8_cache_and_q_dtype_for_a_16_bit_one():
     assert _dot_dtype(q.float(), fp8_cache, True) == tl.float32  # fp32 q: exact dots
 
 
+@pytest.mark.parametrize("kv, q_dtype", [("bf16", torch.bfloat16), ("fp8_scaled", torch.float32)])
+def test_triton_many_splits_reduce_in_chunks(kv, q_dtype):
+    """45 splits of 16 tokens: the reduce takes 16 splits a step (2 q heads a KV head: G_PAD 16, 32 dims a
+    program), so three steps, the last cut at 13; the shorter row leaves its last 24 splits empty. D 40: two
+    reduce programs a (sequence, KV head), the second cut at 40."""
+    args = make_case(2, 4, 2, 40, 16, [700, 333], kv, q_dtype, seed=21)
+    out = run_triton(*args, num_splits=45)
+    torch.testing.assert_close(out, run_native(*args), **TOL[q_dtype])
+
+
 def test_triton_ungated_and_strided_q():
     """q and gate as views of a fused [B, heads, 2 * D] projection (q first, then gate), as attention makes."""
     q, k, v, tables, lens, scale, _, _, _ = make_case(3, 4, 2, 16, 4, [9, 16, 2], "bf16", torch.bfloat16, seed=5)
