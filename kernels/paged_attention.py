@@ -162,7 +162,7 @@ def _paged_decode_kernel(
     # Clamped to what the block table holds, and a block id outside [0, num_blocks) masks its tokens: the
     # reference refuses both (a sync); here they read nothing out of bounds. Clamped in int64 (an int64 length
     # may not fit int32), then counted in int32 (tables of at most 2^30 tokens): a tile's positions, blocks and
-    # offsets in int64 cost 50-60 instructions of a loop of 400-900 (compiled for sm_90).
+    # offsets in int64 cost 30-60 instructions of a loop of 400-900 (compiled for sm_90).
     n = tl.minimum(tl.maximum(tl.load(cl_ptr + pid_b).to(tl.int64), 0), max_tokens).to(tl.int32)
     start = pid_s * split_len
     end = tl.minimum(start + split_len, n)
@@ -246,8 +246,8 @@ def _paged_decode_reduce_kernel(
         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, HAS_GATE: tl.constexpr):
     """Combine the splits' (acc, max, sum) of one (sequence, KV head) over BLOCK_D of its dims and store the
     gated output: programs over the dims too, so that few sequences with many splits still spread. CHUNK
-    splits a step, loaded together: a step of one split waited a load's latency for every split (compiled
-    for sm_90, its loop used each load right after issuing it), 0.3-1 us each at 64 splits of one sequence."""
+    splits a step, loaded together: with one split a step, the loop (compiled for sm_90) used each load right
+    after issuing it, so every split waited a load's latency (hundreds of ns from L2) in turn."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     g = tl.arange(0, G_PAD)
@@ -335,8 +335,8 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     of at most 2^20 elements; FP8 only on the CPU or sm_89 and later (which convert E4M3); v_cache of k_cache's
     shape and dtype; gate None or bf16, fp16 or fp32 of q's shape; k_scale, v_scale None or float32 [blocks,
     block_size, kv_heads]; block_tables an int32 or int64 [B, max_blocks] of at most 2^30 tokens (max_blocks x
-    block_size); context_lens an int32 or int64 [B];
-    any strides; all on q's device. `out` is checked where it is written (`check_out`)."""
+    block_size); context_lens an int32 or int64 [B]; any strides; all on q's device. `out` is checked where it
+    is written (`check_out`)."""
     if err := _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale):
         return err
     b, hq, d = q.shape
