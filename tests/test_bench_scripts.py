@@ -68,3 +68,11 @@ def test_sweep_attention_runs_every_variant_against_the_reference(tiny, monkeypa
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("paged_decode_attention")]
     assert len(rows) == 3 * 2 * 2 * 2          # KV formats x batches x splits x stages
     assert all(float(row.rsplit("err ", 1)[1]) < TOL for row in rows)
+
+
+def test_sweep_attention_names_an_unknown_kv_format_and_the_known_ones(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["sweep_attention.py", "--kv", "bf16,fp4"])
+    with pytest.raises(SystemExit) as e:
+        sweep_attention.main()
+    assert e.value.code == 2
+    assert "--kv bf16,fp4: fp4 unknown; the formats are bf16, fp8, fp8_scaled" in capsys.readouterr().err
