@@ -126,10 +126,11 @@ def _with(backend: str, op, *args, **kwargs):
         return op(*args, **kwargs)
 
 
-KV_FORMATS = ("bf16", "fp8", "fp8_scaled")  # kv=bf16; kv=fp8 (unit scales, its default); kv=fp8 with kv_exact
+# the KV formats timed, each with its rows' label: kv=bf16; kv=fp8 (unit scales, its default); kv=fp8 with kv_exact
+KV_FORMATS = {"bf16": "bf16", "fp8": "fp8 (unit scales)", "fp8_scaled": "fp8 (scales)"}
 
 
-def attention_setups(ms: list[int], kvs: tuple[str, ...] = KV_FORMATS):
+def attention_setups(ms: list[int], kvs: tuple[str, ...] = tuple(KV_FORMATS)):
     """(name, batch, floor bytes, [each call's operands]) for paged decode attention with the output gate, for
     each KV format of `kvs` (`KV_FORMATS`: BF16, FP8 with unit scales, FP8 with per-token scales), every
     sequence at the same context; each call its own blocks. The floor counts K and V of the contexts (and
@@ -156,8 +157,7 @@ def attention_setups(ms: list[int], kvs: tuple[str, ...] = KV_FORMATS):
                     ks = torch.rand(shape[:3], device=DEVICE, generator=gen) + 0.5
                     vs = torch.rand(shape[:3], device=DEVICE, generator=gen) + 0.5
             per_token = (nbytes(kc[0, 0]) + nbytes(vc[0, 0]) + (nbytes(ks[0, 0]) * 2 if ks is not None else 0))
-            label = {"bf16": "bf16", "fp8": "fp8 (unit scales)", "fp8_scaled": "fp8 (scales)"}[kv]
-            yield (f"paged_decode_attention {label} KV, {hq}/{hkv} heads x {d}, context {ctx}", b,
+            yield (f"paged_decode_attention {KV_FORMATS[kv]} KV, {hq}/{hkv} heads x {d}, context {ctx}", b,
                    b * ctx * per_token + 3 * nbytes(q),
                    [(q, kc, vc, tables[c], lens, d ** -0.5, gate, ks, vs) for c in range(CALLS)])
 
