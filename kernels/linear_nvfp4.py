@@ -1151,13 +1151,11 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         return WeightsError("weight", f"K = {k}", "NVFP4 takes K a multiple of 16",
                             "keep this tensor unquantized or pad K")
     if k:                                                            # K = 0 reads nothing: any layout
-        stride_n, stride_k = weight.stride()
-        if stride_k != 1 or stride_n % 4:
-            return WeightsError("weight", f"strides {weight.stride()}", "unit stride along K, rows a multiple of "
-                                "4 bytes apart (read as int32 words)", "pass weight.contiguous()")
-        if weight.storage_offset() % 4:
-            return WeightsError("weight", f"at byte {weight.storage_offset()} of its storage", "rows that start "
-                                "on 4-byte boundaries (read as int32 words)", "pass weight.clone()")
+        if weight.stride(1) != 1:
+            return WeightsError("weight", f"strides {weight.stride()}", "unit stride along K",
+                                "pass weight.contiguous()")
+        if err := words_refusal("weight", weight, WeightsError):
+            return err
     if weight_scale.dtype != torch.float8_e4m3fn or weight_scale.shape != (n, k // NVFP4_BLOCK):
         return WeightsError("weight_scale", f"{weight_scale.dtype} {tuple(weight_scale.shape)}",
                             f"float8_e4m3fn [N, K/16] = [{n}, {k // NVFP4_BLOCK}]",
@@ -1169,6 +1167,20 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         return WeightsError("weight_scale_2", f"{weight_scale_2.dtype} {tuple(weight_scale_2.shape)}",
                             "one fp32 number", "pass the checkpoint's weight_scale_2 as stored")
     return device_refusal(x.device)
+
+
+def words_refusal(name: str, codes: torch.Tensor, error: type[MtpfError]) -> MtpfError | None:
+    """Why the kernels cannot read packed codes [..., R, K/2] (unit stride along K, checked before) as int32
+    words of 8, as an `error` naming `name`, or None: every other dim (rows, experts) a multiple of 4 bytes apart,
+    from a 4-byte boundary of the storage."""
+    if any(stride % 4 for stride in codes.stride()[:-1]):
+        dims = "rows and experts" if codes.dim() == 3 else "rows"
+        return error(name, f"strides {codes.stride()}", f"{dims} a multiple of 4 bytes apart (the kernels read the "
+                     "codes as int32 words)", f"pass {name}.contiguous()")
+    if codes.storage_offset() % 4:
+        return error(name, f"at byte {codes.storage_offset()} of its storage", "rows that start on 4-byte "
+                     "boundaries (the kernels read the codes as int32 words)", f"pass {name}.clone()")
+    return None
 
 
 def plan_refusal(plan: GemvPlan, m: int, k: int, x16: bool) -> MtpfError | None:

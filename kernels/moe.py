@@ -54,7 +54,7 @@ import triton.language as tl
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.linear import dot_acc, lowp_dot
-from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, nvfp4_words, permuted_x
+from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, nvfp4_words, permuted_x, words_refusal
 from mtpfactory.ops import Op, check_out, check_outs, write_outs
 from mtpfactory.quant import dequantize_nvfp4
 
@@ -846,7 +846,7 @@ def fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_sca
         return InputError("gu_weight", _desc(gu_weight, strides=True), "uint8 [E, 2I, H/2] with E >= 1, I a "
                           "positive multiple of 16 (whole NVFP4 blocks along I) and unit stride along H",
                           "pass the packed NVFP4 gate_up codes (quantize_nvfp4) of at least one expert, contiguous")
-    if err := _words_refusal("gu_weight", gu_weight):
+    if err := words_refusal("gu_weight", gu_weight, InputError):
         return err
     wants = (("gu_scale", gu_scale, torch.float8_e4m3fn, (e, 2 * i, h // 16)), ("gu_global", gu_global, None, (e, 2)),
              ("dn_weight", dn_weight, torch.uint8, (e, h, i // 2)),
@@ -859,17 +859,7 @@ def fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_sca
         if dtype is not None and not _unit_last(t):
             return InputError(name, _desc(t, strides=True), "unit stride along the last dim",
                               f"pass {name}.contiguous()")
-    return _words_refusal("dn_weight", dn_weight)
-
-
-def _words_refusal(name: str, codes: torch.Tensor) -> InputError | None:
-    """Codes [E, R, K/2] the kernels can read as int32 words of 8 (K a multiple of 16, unit stride along it
-    checked before): rows and experts a multiple of 4 bytes apart, starting on a 4-byte boundary."""
-    if codes.stride(0) % 4 or codes.stride(1) % 4 or codes.storage_offset() % 4:
-        return InputError(name, f"strides {codes.stride()} at byte {codes.storage_offset()} of its storage",
-                          "rows and experts a multiple of 4 bytes apart, from a 4-byte boundary (the kernels read "
-                          "the codes as int32 words)", f"pass {name}.contiguous()")
-    return None
+    return words_refusal("dn_weight", dn_weight, InputError)
 
 
 def _fused_moe_call_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None,
