@@ -19,10 +19,16 @@ from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
 from mtpfactory.ops import Op, check_out
 
 
-def residual_refusal(x: torch.Tensor, residual: torch.Tensor | None) -> InputError | None:
+def residual_refusal(x: torch.Tensor, residual: torch.Tensor | None,
+                     residual_out: torch.Tensor | None = None) -> InputError | None:
     """Why the op cannot add `residual` to x, or None: every provider returns the sum and the norm in x's
     dtype, so the residual has x's shape and dtype (no broadcast, no promotion: a bf16 x and an fp32 residual
-    would otherwise come back fp32 from the reference and bf16 from the kernel)."""
+    would otherwise come back fp32 from the reference and bf16 from the kernel); `residual_out`, which receives
+    the sum, only with a residual (without one there is no sum, and it would silently stay unwritten)."""
+    if residual is None and residual_out is not None:
+        return InputError("residual_out", f"{residual_out.dtype} {list(residual_out.shape)}", "a buffer for "
+                          "x + residual, given only with residual (without one there is no sum to write)",
+                          "pass the residual, or leave residual_out=None")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         return InputError("residual", f"{residual.dtype} {list(residual.shape)}", f"x's shape and dtype, {x.dtype} "
                           f"{list(x.shape)}: the sum x + residual is returned in x's dtype",
@@ -36,11 +42,11 @@ def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cen
     """x, residual: [..., H]; weight: [H]. With `residual` (x's shape and dtype: `residual_refusal`), returns
     (norm(x + residual), x + residual). `out` / `residual_out` (optional, x's shape and dtype) receive the norm
     and the sum and are returned."""
-    if err := residual_refusal(x, residual):
+    if err := residual_refusal(x, residual, residual_out):
         raise err
     if out is not None:
         check_out(out, x.shape, x.dtype, x.device)
-    if residual is not None and residual_out is not None:
+    if residual_out is not None:
         check_out(residual_out, x.shape, x.dtype, x.device, "residual_out")
     if residual is not None:
         x = x + residual if residual_out is None else torch.add(x, residual, out=residual_out)
@@ -125,7 +131,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     (optional) receives what the NVFP4 GEMV's x pass would write for the norm, viewed as [M, H] (H a multiple
     of 16); `pdl`: the next launch is a programmatic dependent launch (`linear.x_pass_pdl`). Operands as
     `rms_norm_refusal` says."""
-    if err := rms_norm_refusal(x, weight, residual):
+    if err := rms_norm_refusal(x, weight, residual) or residual_refusal(x, residual, residual_out):
         raise err
     return rms_norm_launch(x, weight, eps, zero_centred, residual, out, residual_out, x_pairs, pdl)
 
@@ -170,7 +176,7 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
 def _rms_norm_call_refusal(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None):
     """The op's call: `rms_norm_refusal`, and `out` / `residual_out` contiguous (the kernel writes rows H
     apart; `auto` gives others to the reference, which writes any strides)."""
-    if err := rms_norm_refusal(x, weight, residual):
+    if err := rms_norm_refusal(x, weight, residual) or residual_refusal(x, residual, residual_out):
         return err
     for field, t in (("out", out), ("residual_out", residual_out)):
         if t is not None and not t.is_contiguous():

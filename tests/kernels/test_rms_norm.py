@@ -111,6 +111,14 @@ def test_out_means_the_same_on_every_provider():
         with ops.use_backend(backend), pytest.raises(InputError, match=r"out='bfloat16 \[3, 32\] on cpu"):
             rms_norm(x, w, 1e-6, True, out=wrong)
         assert wrong.isnan().all()
+    # a residual_out with no residual would stay unwritten (there is no sum): refused by both, nothing written
+    out, res_out = poisoned(x), poisoned(x)
+    for call in (rms_norm.reference, rms_norm_triton):
+        with pytest.raises(InputError, match=r"^residual_out=.*only with residual.*pass the residual"):
+            call(x, w, 1e-6, True, out=out, residual_out=res_out)
+    with ops.use_backend("triton"):
+        assert not rms_norm.providers["triton"].supports(x, w, 1e-6, True, out=out, residual_out=res_out)
+    assert out.isnan().all() and res_out.isnan().all()
 
 
 @pytest.mark.parametrize("case", NORM_CASES)
