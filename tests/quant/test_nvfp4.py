@@ -206,3 +206,13 @@ def test_dequantize_refuses_mismatched_layout():
         dequantize_nvfp4(weight.float(), scale, scale_2)
     with pytest.raises(WeightsError, match=r"weight_scale_2\.shape"):
         dequantize_nvfp4(weight, scale, torch.ones(2))
+
+
+def test_dequantize_reads_scales_as_values_and_refuses_their_raw_bytes():
+    """The block scales are values: float8_e4m3fn as stored, or any floating dtype holding them, give the same
+    weight; the bytes as uint8 (0x38 is 1.0, read as 56) are refused naming the scale, not read as numbers."""
+    weight, scale, scale_2 = quantize_nvfp4(torch.randn(4, 32, generator=torch.Generator().manual_seed(3)))
+    want = dequantize_nvfp4(weight, scale, scale_2)
+    assert torch.equal(dequantize_nvfp4(weight, scale.float(), scale_2), want)
+    with pytest.raises(WeightsError, match=r"^w_scale=.*uint8.*\.view\(torch\.float8_e4m3fn\)"):
+        dequantize_nvfp4(weight, scale.view(torch.uint8), scale_2, name="w")
