@@ -20,6 +20,16 @@ def check_slots(slots: torch.Tensor, cache: torch.Tensor) -> None:
                   "write at slot = block * block_size + offset of a block this cache holds")
 
 
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache[slot // block_size, slot % block_size] = rows, a slot a row (a negative slot counts from the end of
+    this cache's blocks * block_size): the references' write, indexed by the block and offset dims, so a cache of
+    any strides takes it (a view of a [blocks, 2, block_size, ...] K|V cache, which cannot be viewed as rows)."""
+    bs = cache.shape[1]
+    s = slots.long()
+    s = torch.where(s < 0, s + cache.shape[0] * bs, s)
+    cache[s // bs, s % bs] = rows
+
+
 def slot_dtype_refusal(slots: torch.Tensor) -> InputError | None:
     """Why no provider can write at these slots, or None: slots are int32 or int64 (torch indexes by no other
     dtype, and would read bool or uint8 ones as a mask)."""
@@ -63,7 +73,7 @@ def _shape_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                    slots: torch.Tensor) -> InputError | None:
     """Why no provider can write k and v at these slots, or None (the reference's part of
     `reshape_and_cache_refusal`: rows that broadcast, slots of any shape): v_cache holds as many slots as k_cache
-    (the reference views both as [blocks * block_size, ...] of k_cache's)."""
+    (a slot names a row of both)."""
     if err := (slot_dtype_refusal(slots) or cache_dims_refusal("k_cache", k_cache)
                or cache_dims_refusal("v_cache", v_cache)):
         return err
@@ -84,9 +94,8 @@ def _reshape_and_cache_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     if err := _shape_refusal(k, v, k_cache, v_cache, slots):
         raise err
     check_slots(slots, k_cache)
-    nb, bs = k_cache.shape[:2]
-    k_cache.view(nb * bs, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
-    v_cache.view(nb * bs, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
+    write_slots(k_cache, slots, k.to(k_cache.dtype))
+    write_slots(v_cache, slots, v.to(v_cache.dtype))
 
 
 reshape_and_cache = Op("reshape_and_cache", _reshape_and_cache_native)

@@ -20,7 +20,7 @@ import triton.language as tl
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
 from mtpfactory.kernels.reshape_and_cache import (cache_dims_refusal, check_slots, kv_rows_refusal, rows_refusal,
-                                                  slot_dtype_refusal)
+                                                  slot_dtype_refusal, write_slots)
 from mtpfactory.ops import Op
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, to_e4m3
 
@@ -78,7 +78,6 @@ def _reshape_and_cache_fp8_native(k: torch.Tensor, v: torch.Tensor, k_cache: tor
         raise err
     check_slots(slots, min(k_cache, v_cache, key=lambda c: c.shape[0] * c.shape[1]))
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        nb, bs = cache.shape[:2]
         y = x.float()  # [N, kv_heads, D]
         if scale is not None:
             amax = y.abs().amax(dim=-1)  # [N, kv_heads]
@@ -87,8 +86,8 @@ def _reshape_and_cache_fp8_native(k: torch.Tensor, v: torch.Tensor, k_cache: tor
             s = amax / torch.full_like(amax, FP8_E4M3_MAX)
             s = torch.where(s == 0, torch.ones_like(s), s)
             y = y / s[..., None]
-            scale.view(nb * bs, scale.shape[2])[slots] = s
-        cache.view(nb * bs, *cache.shape[2:])[slots] = to_e4m3(y)  # clamped to +-448, then cast
+            write_slots(scale, slots, s)
+        write_slots(cache, slots, to_e4m3(y))  # clamped to +-448, then cast
 
 
 # --- Triton -------------------------------------------------------------------------------------------

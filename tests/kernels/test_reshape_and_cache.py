@@ -207,8 +207,9 @@ def test_slots_and_shapes_no_provider_can_write_are_refused_by_the_reference(cas
 
 
 def test_the_reference_takes_what_only_the_kernel_refuses():
-    """An FP8 or fp64 cache, a strided cache, a V cache of other blocks but as many slots, one row broadcast to
-    every slot, int k, k strided along D, one 0-D slot: the reference writes them as torch's indexed assignment
+    """An FP8 or fp64 cache, strided caches (along D; the halves of a [blocks, 2, block_size, ...] K|V cache), a
+    V cache of other blocks but as many slots, one row broadcast to every slot, int k, k strided along D, one 0-D
+    slot: the reference writes them as torch's indexed assignment
     does (under `auto` the op falls back to it)."""
     k, v, kc, vc, slots = _ops()
     ref = reshape_and_cache.reference
@@ -234,6 +235,12 @@ def test_the_reference_takes_what_only_the_kernel_refuses():
     check(k.int(), v, kc.clone(), vc.clone())
     check(torch.cat([k, k], -1)[..., ::2], v, kc.clone(), vc.clone())
     check(k[0], v[0], kc.clone(), vc.clone(), slots[0])
+    # FlashInfer's [blocks, K|V, block_size, heads, D] cache: its halves cannot be viewed as rows of slots, and
+    # the reference used to meet V's with a raw torch error after writing K's
+    kv = nan_cache(2, 2 * 4, 2, 8, torch.float32).view(2, 2, 4, 2, 8)
+    ref(k, -k, kv[:, 0], kv[:, 1], slots)
+    for half, rows in ((kv[:, 0], k), (kv[:, 1], -k)):
+        assert torch.equal(bits(half), bits(want(rows, kc, slots)))
     with ops.use_backend("auto"):
         kc2 = kc.double()
         reshape_and_cache(k[:1], v, kc2, vc.clone(), slots)

@@ -314,8 +314,9 @@ def test_a_v_cache_of_fewer_slots_is_refused_by_the_reference_naming_the_slot():
 
 
 def test_the_reference_takes_what_only_the_kernel_refuses():
-    """Caches of other shapes each fit by its rows (a V cache of other blocks, or of another D), one K head
-    broadcast to both, int or fp64 rows, rows of D = 0 without scales: the reference writes them as it writes
+    """Caches of other shapes each fit by its rows (a V cache of other blocks, or of another D; the halves of a
+    [blocks, 2, block_size, ...] K|V cache), one K head broadcast to both, int or fp64 rows, rows of D = 0
+    without scales: the reference writes them as it writes
     their plain form (under `auto` the op falls back to it)."""
     k, v, _, _, slots, _, _ = _ops()
 
@@ -334,6 +335,15 @@ def test_the_reference_takes_what_only_the_kernel_refuses():
     _assert_same(written(ints, v, scaled=False), written(ints.float(), v, scaled=False))
     kc, vc = _fp8_cache(2, 4, 2, 0), _fp8_cache(2, 4, 2, 0)
     reshape_and_cache_fp8.reference(k[..., :0], v[..., :0], kc, vc, slots)
+    # FlashInfer's [blocks, K|V, block_size, heads, D] cache and scales laid out alike: their halves cannot be
+    # viewed as rows of slots (the reference met V's with a raw torch error after writing K's); the kernel,
+    # which takes any strides, writes the same bytes
+    want = _run("native", k, v, slots, 2, 4, True, True)
+    for backend in ("native", "triton"):
+        kv, sc = _fp8_cache(2, 8, 2, 16).view(2, 2, 4, 2, 16), _scale_cache(2, 8, 2).view(2, 2, 4, 2)
+        with ops.use_backend(backend):
+            reshape_and_cache_fp8(k, v, kv[:, 0], kv[:, 1], slots, sc[:, 0], sc[:, 1])
+        _assert_same((kv[:, 0].view(torch.uint8), kv[:, 1].view(torch.uint8), sc[:, 0], sc[:, 1]), want)
     with ops.use_backend("auto"):
         kc, vc = _fp8_cache(2, 4, 2, 16), _fp8_cache(2, 4, 2, 16)
         reshape_and_cache_fp8(k[:, :1], v, kc, vc, slots)
