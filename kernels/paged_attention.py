@@ -139,7 +139,7 @@ def _fp16_top_binade(amax):
     """(2^j, 2^-j) for each element of amax (>= 0): x * 2^j puts a row whose largest |x| is amax into
     [2^14, 2^15), fp16's top binade (exactly: a power of two), so that it neither overflows fp16 nor sinks
     into its subnormals. j is held within [-126, 126], both powers normal fp32 (amax 0 or subnormal takes
-    2^126, inf or NaN 2^-126)."""
+    2^126, inf or NaN 2^-114)."""
     top = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # the biased exponent
     j = tl.minimum(tl.maximum(141 - top, -126), 126)  # 14 - (top - 127)
     return ((j + 127) << 23).to(tl.float32, bitcast=True), ((127 - j) << 23).to(tl.float32, bitcast=True)
@@ -335,10 +335,13 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     of at most 2^20 elements; FP8 only on the CPU or sm_89 and later (which convert E4M3); v_cache of k_cache's
     shape and dtype; gate None or bf16, fp16 or fp32 of q's shape; k_scale, v_scale None or float32 [blocks,
     block_size, kv_heads]; block_tables an int32 or int64 [B, max_blocks] of at most 2^30 tokens (max_blocks x
-    block_size); context_lens an int32 or int64 [B]; any strides; all on q's device. `out` is checked where it
+    block_size); context_lens an int32 or int64 [B]; any strides; all on q's device; scale a Python number. `out` is checked where it
     is written (`check_out`)."""
     if err := _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale):
         return err
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        return InputError("scale", f"{type(scale).__name__} {scale!r}"[:120], "a Python float (the kernel takes it "
+                          "as a number, not a tensor)", "pass float(scale)")
     b, hq, d = q.shape
     if q.dtype not in _FLOATS or d > _MAX_D or b > _MAX_SEQS:
         return InputError("q", f"{q.dtype} {list(q.shape)}",
@@ -393,14 +396,17 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None, block_n: int, num_warps: int,
                    fast_dot: bool, num_stages: int | None = None) -> InputError | None:
     """Why `paged_decode_attention_triton` cannot launch with these tuning arguments (which the op does not
-    take), or None: num_splits None or 1 to 65535 (the grid); block_n a power of two >= 16 (tl.dot) whose
+    take), or None: num_splits None or 1 to 65535 (the grid), its partials under 2^31 elements; block_n a power of two >= 16 (tl.dot) whose
     [block_n, D] and [q_heads / kv_heads, block_n] tiles (padded) hold at most 2^20 elements; num_warps 1, 2,
     4, 8, 16 or 32; fast_dot a bool; num_stages None or 1 to 8. Asked on operands
     `paged_decode_attention_refusal` passed."""
-    if num_splits is not None and not (_whole(num_splits) and 1 <= num_splits <= _MAX_PROGRAMS):
-        return InputError("num_splits", num_splits, f"None (picked from the GPU's size) or 1 to {_MAX_PROGRAMS} (the "
-                          "grid)", "leave num_splits=None")
     g_pad, d_pad = _pads(q, k_cache)
+    # the splits' partials [B, kv_heads, splits, G_PAD, D_PAD] (fp32) are addressed in int32
+    most = max(1, min(_MAX_PROGRAMS, (2**31 - 1) // max(1, q.shape[0] * k_cache.shape[2] * g_pad * d_pad)))
+    if num_splits is not None and not (_whole(num_splits) and 1 <= num_splits <= most):
+        return InputError("num_splits", num_splits, f"None (picked from the GPU's size) or 1 to {most} here (the grid "
+                          f"takes {_MAX_PROGRAMS}; the splits' partial rows, [B, kv_heads, splits, {g_pad}, {d_pad}], "
+                          "are addressed in int32)", "leave num_splits=None")
     if not (_whole(block_n) and block_n >= 16 and block_n & (block_n - 1) == 0
             and block_n * max(g_pad, d_pad) <= _MAX_BLOCK):
         rows = max(g_pad, d_pad)

@@ -25,7 +25,8 @@ import triton.language as tl
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError, MtpfError
-from mtpfactory.kernels.paged_attention import _dot_dtype, paged_decode_attention, paged_decode_attention_triton
+from mtpfactory.kernels.paged_attention import (_dot_dtype, paged_decode_attention, paged_decode_attention_triton,
+                                               tuning_refusal)
 
 # The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -414,6 +415,7 @@ BAD = {
     "block_tables elsewhere": (_with(block_tables=lambda a: a["block_tables"].to("meta")), "block_tables",
                                "on q's device, cpu"),
     "v_scale elsewhere": (_with(v_scale=lambda a: a["v_scale"].to("meta")), "v_scale", "on q's device, cpu"),
+    "scale a tensor": (_with(scale=lambda a: torch.tensor(a["scale"])), "scale", r"a Python float.*float\(scale\)"),
 }
 
 
@@ -466,6 +468,22 @@ def test_tuning_arguments_the_kernel_cannot_launch_with_are_refused_by_the_provi
     with ops.use_backend("triton"), pytest.raises(InputError, match=rf"^{name}=.*{allowed}"):
         paged_decode_attention_triton(*args, out=out, **{name: value})
     assert out.isnan().all()
+
+
+def test_num_splits_past_what_int32_addresses_in_the_partials_is_refused():
+    """The splits' partial rows [B, kv_heads, splits, G_PAD, D_PAD] (fp32) are addressed in int32: num_splits
+    that would take them to 2^31 elements or more is refused naming it (on a GPU such a call wrote out of bounds).
+    Here B = 2^15 (stride 0), 2 KV heads, tiles of 16 x 16: 127 splits fit, 128 do not."""
+    a = _ops()
+    b = 2**15
+    big = dict(a, q=a["q"][:1].expand(b, 4, 16), gate=a["gate"][:1].expand(b, 4, 16),
+               block_tables=a["block_tables"][:1].expand(b, -1), context_lens=a["context_lens"][:1].expand(b))
+    args = [big[n] for n in NAMES]
+    assert tuning_refusal(big["q"], big["k_cache"], 127, 16, 4, False) is None
+    out, poison = _poisoned_for(big["q"])
+    with pytest.raises(InputError, match=r"^num_splits=128: None .* or 1 to 127 here .*addressed in int32"):
+        paged_decode_attention_triton(*args, out=out, num_splits=128)
+    assert poison.isnan().all()
 
 
 @pytest.mark.parametrize("case", ["q 2-D", "q heads not a multiple of KV heads", "k_cache of other D",
