@@ -215,10 +215,14 @@ def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
 
 
 def _route_shape_refusal(router_logits: torch.Tensor, top_k: int) -> InputError | None:
-    """Why the routing cannot take these logits and top_k, or None: logits [N, E], 1 <= top_k <= E."""
+    """Why the routing cannot take these logits and top_k, or None: logits [N, E], top_k a Python int,
+    1 <= top_k <= E."""
     if router_logits.dim() != 2:
         return InputError("router_logits", _desc(router_logits), "a 2-D [N, E] tensor: a row of expert logits a "
                           "token", "flatten the leading dimensions into N")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        return InputError("top_k", f"{type(top_k).__name__} {top_k!r}"[:120], "a Python int (the kernel is built "
+                          "for it)", "pass int(top_k)")
     if not 1 <= top_k <= router_logits.shape[1]:
         return InputError("top_k", top_k, f"from 1 to the {router_logits.shape[1]} experts the logits score",
                           "route to at most as many experts as there are")
@@ -227,7 +231,7 @@ def _route_shape_refusal(router_logits: torch.Tensor, top_k: int) -> InputError 
 
 def _moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate) -> InputError | None:
     """Why the MoE references cannot index the activations and routing, or None: x [N, H]; integer topk_ids
-    [N', k] with N' <= N (a row past x's has no token); topk_weights holding [N', k]; shared_out and
+    [N', k] with N' <= N (a row past x's has no token); topk_weights holding [N', k]; shared_out and a 2-D
     shared_gate broadcasting to [N, H]. The kernels take only the exact shapes (`_moe_kernel_refusal`)."""
     if x.dim() != 2:
         return InputError("x", _desc(x), "a 2-D [N, H] tensor: a row of activations a token",
@@ -245,6 +249,10 @@ def _moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate) -> In
         if t is not None and not _broadcasts_to(t.shape, x.shape):
             return InputError(name, _desc(t), f"{shape} (x is {_desc(x)})",
                               f"pass the shared expert's {name.removeprefix('shared_')} for x's rows")
+    if shared_gate is not None and shared_gate.dim() != 2:
+        return InputError("shared_gate", _desc(shared_gate), f"a 2-D gate, [N, 1] = [{n}, 1] (a gate logit a row): a "
+                          "1-D one broadcasts along H, a gate a column (a [N] gate where N = H would silently gate "
+                          "column j by row j's logit)", "pass shared_gate[:, None]")
     return None
 
 
@@ -336,8 +344,9 @@ def _nvfp4_dot(acc, x, wv, sb, BR: tl.constexpr, BK: tl.constexpr, ACT: tl.const
 
 @triton.jit
 def _group_pairs(ids_ptr, N, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, group):
-    """The row group's expert ids [BM, KP] (-1 where no pair) and each pair's index within the group."""
-    rows = group * BM + tl.arange(0, BM)
+    """The row group's rows (int64: rows times a row stride, or times k * I in the workspace, pass 2^31) and
+    expert ids [BM, KP] (-1 where no pair), and each pair's index within the group."""
+    rows = (group * BM + tl.arange(0, BM)).to(tl.int64)
     slots = tl.arange(0, KP)
     ok = (rows < N)[:, None] & (slots < TOP_K)[None, :]
     ids = tl.load(ids_ptr + rows[:, None] * TOP_K + slots[None, :], mask=ok, other=-1)
@@ -389,7 +398,7 @@ def _blend_store(acc, rows, row_ok, oo, o_ok, so_ptr, sg_ptr, out_ptr, stride_so
 @triton.jit
 def _moe_route_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_lm,
                               TOP_K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, RENORM: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)                   # times the row stride: past 2^31 at large N or strides
     offs = tl.arange(0, BE)
     valid = offs < E
     logit = tl.load(logits_ptr + row * stride_lm + offs, mask=valid, other=0.0).to(tl.float32)
@@ -590,7 +599,7 @@ def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_som
                       BM: tl.constexpr, BHO: tl.constexpr, HAS_SHARED: tl.constexpr, ACT: tl.constexpr,
                       INTERP: tl.constexpr):
     """out = sum over the splits of part[s] (in split order: deterministic) + the shared blend."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)      # times H or a row stride: past 2^31
     oo = tl.program_id(1) * BHO + tl.arange(0, BHO)
     row_ok, o_ok = rows < N, oo < H
     acc = tl.zeros((BM, BHO), tl.float32)

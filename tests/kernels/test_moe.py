@@ -248,6 +248,9 @@ ROUTE_MISFITS = {
     "logits-3d": (lambda: torch.randn(1, 3, 9), 2, "router_logits", "router_logits"),
     "top_k-0": (lambda: torch.randn(3, 9), 0, "top_k", "top_k"),
     "top_k-above-E": (lambda: torch.randn(3, 9), 10, "top_k", "top_k"),
+    "top_k-float": (lambda: torch.randn(3, 9), 2.0, "top_k", "top_k"),
+    "top_k-tensor": (lambda: torch.randn(3, 9), torch.tensor(2), "top_k", "top_k"),
+    "top_k-bool": (lambda: torch.randn(3, 9), True, "top_k", "top_k"),
     "logits-float64": (lambda: torch.randn(3, 9).double(), 2, "router_logits", None),
     "logits-int64": (lambda: torch.randint(-3, 3, (3, 9)), 2, "router_logits", None),
     "E-above-max": (lambda: torch.randn(3, moe.MAX_ROUTED_EXPERTS + 1), 2, "router_logits", None),
@@ -418,6 +421,37 @@ def test_fused_moe_triton_transposed_x():
     with ops.use_backend("triton"):
         got = moe.fused_moe(x, w_gate_up, w_down, weights, ids)
     scaled_close(got, moe.fused_moe.reference(x, w_gate_up, w_down, weights, ids), TOL[torch.float32])
+
+
+def far_rows(n: int, cols: int, dtype, device) -> torch.Tensor:
+    """[n, cols] of NaN, rows 2^30 elements apart (row 2 from element 2^31 on), in a storage of which only these
+    rows are written (torch.empty maps its pages when they are touched)."""
+    t = torch.empty(2**30 * (n - 1) + cols, dtype=dtype, device=device).as_strided((n, cols), (2**30, 1))
+    return t.fill_(float("nan"))
+
+
+def check_far_rows(fmt: str, device: str) -> None:
+    """The routing's logits, and the MoE's x, shared_out and out, with rows 2^30 elements apart: row 2's offsets
+    pass int32's range, so the kernels compute rows' offsets in int64 (in int32 they wrapped to 2^32 elements
+    before the row: a crash, or a read of other memory). Against the reference on the same values."""
+    n, e, k, h, i = 3, 4, 2, 32, 32
+    gen = torch.Generator(device).manual_seed(9)
+    op, args = moe_call(fmt, (n, e, k, h, i), torch.bfloat16, gen)
+    logits = torch.randn(n, e, generator=gen, device=device)
+    far = {name: far_rows(n, h, torch.bfloat16, device).copy_(args[name]) for name in ("x", "shared_out")}
+    out, far_logits = far_rows(n, h, torch.bfloat16, device), far_rows(n, e, torch.float32, device).copy_(logits)
+    with ops.use_backend("triton"):
+        assert op(**{**args, **far}, out=out) is out
+        weights, ids = moe.moe_route_softmax(far_logits, k, True)
+    scaled_close(out, op.reference(**args), TOL[torch.bfloat16])
+    want_weights, want_ids = moe.moe_route_softmax(logits, k, True)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
+
+
+@FMT_PATHS
+def test_triton_rows_past_int32_offsets(fmt, nvfp4_path):
+    check_far_rows(fmt, "cpu")
 
 
 # Buffers that do not fit a call with N 3, k 2, H 32, I 32 in fp32: out [3, 32] (rows may be strided),
@@ -625,6 +659,11 @@ MISFITS = {
     "shared_out-columns-strided": ("unq", lambda a: dict(shared_out=strided((3, 32))), "shared_out", None),
     "gate-per-element": ("unq", lambda a: dict(shared_gate=torch.zeros(3, 32)), "shared_gate", None),
     "gate-bf16": ("unq", lambda a: dict(shared_gate=torch.zeros(3, 1, dtype=torch.bfloat16)), "shared_gate", None),
+    "gate-1d-rows-equal-H": ("unq", lambda a: dict(x=torch.zeros(32, 32), shared_out=torch.zeros(32, 32),
+                                                   shared_gate=torch.zeros(32),
+                                                   topk_ids=a["topk_ids"].repeat(11, 1)[:32],
+                                                   topk_weights=a["topk_weights"].repeat(11, 1)[:32]),
+                             "shared_gate", "shared_gate"),
     "gate_up-odd-rows": ("unq", lambda a: dict(w_gate_up=torch.zeros(4, 65, 32)), "w_gate_up", "w_gate_up"),
     "gate_up-bf16": ("unq", lambda a: dict(w_gate_up=a["w_gate_up"].bfloat16()), "w_gate_up", "w_gate_up"),
     "gate_up-H-strided": ("unq", lambda a: dict(w_gate_up=strided((4, 64, 32))), "w_gate_up", None),
@@ -754,3 +793,10 @@ def test_route_triton_nonfinite_logits_gpu(k, renormalize):
 @pytest.mark.parametrize("e", [4, 9], ids=["by-expert", "by-pair"])
 def test_triton_nonfinite_expert_stays_in_its_rows_gpu(e, fmt, where, nvfp4_path):
     check_nonfinite_expert(fmt, where, e, "cuda")
+
+
+@gpu
+@needs_cuda
+@FMT_PATHS
+def test_triton_rows_past_int32_offsets_gpu(fmt, nvfp4_path):
+    check_far_rows(fmt, "cuda")
