@@ -195,7 +195,10 @@ def reshape_and_cache_fp8_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torc
                                  slots: torch.Tensor, k_scale: torch.Tensor | None = None,
                                  v_scale: torch.Tensor | None = None) -> None:
     """The Triton provider; same arguments as the reference. In place. A slot out of range, which the
-    reference refuses (a sync), writes nothing here. Operands as `reshape_and_cache_fp8_refusal` says."""
+    reference refuses (a sync), writes nothing here. Duplicate slots are the caller's error, as in the
+    reference they leave one writer's row, unspecified which; with scales, the slot's codes and its scale are
+    separate stores, so they may even come from different writers. Operands as `reshape_and_cache_fp8_refusal`
+    says."""
     if err := reshape_and_cache_fp8_refusal(k, v, k_cache, v_cache, slots, k_scale, v_scale):
         raise err
     reshape_and_cache_fp8_launch(k, v, k_cache, v_cache, slots, k_scale, v_scale)
