@@ -603,9 +603,10 @@ def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_som
     oo = tl.program_id(1) * BHO + tl.arange(0, BHO)
     row_ok, o_ok = rows < N, oo < H
     acc = tl.zeros((BM, BHO), tl.float32)
+    parts = part_ptr + rows[:, None] * H + oo[None, :]                                  # split 0's [BM, BHO]
     for s in range(0, SPLIT):
-        acc += tl.load(part_ptr + (s * N + rows)[:, None] * H + oo[None, :], mask=row_ok[:, None] & o_ok[None, :],
-                       other=0.0)
+        acc += tl.load(parts, mask=row_ok[:, None] & o_ok[None, :], other=0.0)
+        parts += N.to(tl.int64) * H                                                     # the next split's
     _blend_store(acc, rows, row_ok, oo, o_ok, so_ptr, sg_ptr, out_ptr, stride_som, stride_sgm, stride_om,
                  HAS_SHARED, ACT, INTERP)
 
