@@ -60,6 +60,7 @@ from mtpfactory.quant import dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_ROUTED_EXPERTS = 8192  # one program holds a row of router logits
+MAX_ROUTED_TOP_K = 64      # the routing kernel unrolls its top-k picks (models route to 8-10)
 MAX_SPLIT = 16  # programs that share one (row group, output tile) of the down projection
 # NVFP4 experts at this many rows or fewer run as GEMVs over the (row, slot) pairs, more rows through the dot
 # kernels (a decode step's rows share few experts; a prefill chunk's share more)
@@ -642,9 +643,14 @@ def _route_launch(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
 def moe_route_softmax_refusal(router_logits: torch.Tensor, top_k: int) -> InputError | None:
     """Why `moe_route_softmax_triton` cannot take a call, as the error it raises (the op's predicate says no to
     the same calls), or None: the reference's shapes (`_route_shape_refusal`), logits in bf16, fp16 or fp32
-    (any strides) and at most MAX_ROUTED_EXPERTS experts (one program holds a row)."""
+    (any strides) and at most MAX_ROUTED_EXPERTS experts (one program holds a row); top_k at most
+    MAX_ROUTED_TOP_K (the kernel unrolls its picks: a compile that grows with top_k)."""
     if err := _route_shape_refusal(router_logits, top_k):
         return err
+    if top_k > MAX_ROUTED_TOP_K:
+        return InputError("top_k", top_k, f"at most {MAX_ROUTED_TOP_K} (the kernel unrolls its picks)",
+                          "call the op (`moe_route_softmax`) under runtime.backend=auto: it runs the reference for "
+                          "more")
     if router_logits.dtype not in ACT_DTYPES or router_logits.shape[1] > MAX_ROUTED_EXPERTS:
         return InputError("router_logits", _desc(router_logits), f"bf16, fp16 or fp32 [N, E] logits, E up to "
                           f"{MAX_ROUTED_EXPERTS} (a row in one program)", "call the op (`moe_route_softmax`) under "

@@ -254,6 +254,7 @@ ROUTE_MISFITS = {
     "logits-float64": (lambda: torch.randn(3, 9).double(), 2, "router_logits", None),
     "logits-int64": (lambda: torch.randint(-3, 3, (3, 9)), 2, "router_logits", None),
     "E-above-max": (lambda: torch.randn(3, moe.MAX_ROUTED_EXPERTS + 1), 2, "router_logits", None),
+    "top_k-above-max": (lambda: torch.randn(3, 80), moe.MAX_ROUTED_TOP_K + 1, "top_k", None),
 }
 
 
