@@ -419,12 +419,20 @@ def k_slices_refusal(plan: GemvPlan, k: int) -> InputError | None:
     """Why a given plan's K slices cannot serve K, or None: each slice whole block_k steps (a slice reads its
     steps to the end, so another length overlaps the next slice), together covering K (K past them is never
     read), none empty past K (the NVFP4 kernels read a slice's steps unmasked). `make_plan` makes such plans."""
-    if (plan.k_per_split <= 0 or plan.k_per_split % plan.block_k
-            or not (plan.splits - 1) * plan.k_per_split < k <= plan.splits * plan.k_per_split):
+    covers = (plan.splits - 1) * plan.k_per_split < k <= plan.splits * plan.k_per_split
+    if k == 0:                  # nothing to read: one slice, which reads nothing (make_plan's plan for K = 0)
+        covers = plan.splits == 1
+    if plan.k_per_split <= 0 or plan.k_per_split % plan.block_k or not covers:
         return InputError("plan", f"{plan.splits} K slices of {plan.k_per_split}", f"slices of whole block_k = "
                           f"{plan.block_k} steps that cover K = {k}, none of them empty",
                           f"make the plan for K = {k}: make_plan(m, n, {k}, ...)")
     return None
+
+
+def int32_reach(t: torch.Tensor) -> bool:
+    """Whether int32 offsets reach every element of a 2-D tensor, as the kernels index x and out: its last
+    element less than 2^31 elements past its first. A contiguous [M, N] of fewer than 2^31 elements is reached."""
+    return (t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) < 2**31
 
 
 def lowp_dot(x: torch.Tensor) -> bool:
@@ -519,7 +527,9 @@ def _linear_launch(x: torch.Tensor, weight: torch.Tensor, split_k: bool, out: to
     out = ops.out_or_empty(out, (m, n), x.dtype, x.device)
     if m == 0 or n == 0:
         return out
-    if (m - 1) * x.stride(0) + (k - 1) * x.stride(1) >= 2**31:      # the kernels index x in int32
+    if not int32_reach(out) and m * n < 2**31:    # the kernels index out in int32: write a contiguous one, copy
+        return out.copy_(_linear_launch(x, weight, split_k, None, plan, weight_scale))
+    if not int32_reach(x):                        # and x
         x = x.contiguous()
     scaled = weight_scale is not None
     if plan is None:            # the planner plans the TMA kernel only where the call can run it

@@ -67,6 +67,7 @@ from mtpfactory.kernels.linear import (
     dot_acc,
     dot_result,
     dot_zeros,
+    int32_reach,
     k_slices_refusal,
     lowp_dot,
     partial_buffer,
@@ -1250,10 +1251,11 @@ def _run_planned(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         return out
     if k == 0:
         return out.zero_()
+    if not int32_reach(out) and m * n < 2**31:   # the kernels index out in int32: write a contiguous one, copy
+        return out.copy_(_run_planned(x, weight, weight_scale, weight_scale_2, None, plan, x_pairs))
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns
-    stride_xm, stride_xk = x.stride()
-    if (m - 1) * stride_xm + (k - 1) * stride_xk >= 2**31:          # the kernels index x in int32
+    if not int32_reach(x):                                           # and x
         x = x.contiguous()
     x_pass = runs_x_pass(x, n, k, plan)
     order = _pairs_order(plan)

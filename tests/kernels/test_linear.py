@@ -106,6 +106,25 @@ def test_strided_input_and_output():
     assert out_wide[:, :10].isnan().all() and out_wide[:, 43:].isnan().all()
 
 
+def test_out_rows_further_apart_than_int32_indexes_are_written_right():
+    """The kernels index out in int32 (row * stride): an out whose rows lie 2^30 elements apart (row 2 at 2^31)
+    is written through a contiguous stand-in and copied in, not at a wrapped offset (2^32 elements before out:
+    the interpreter crashed). The 4 GiB behind out are only reserved, never touched."""
+    x, w = make_inputs(3, 16, 32, torch.bfloat16, seed=6)
+    far = torch.empty_strided((3, 16), (2**30, 1), dtype=torch.bfloat16).fill_(float("nan"))
+    with ops.use_backend("triton"):
+        assert linear_triton(x, w, out=far) is far
+        assert torch.equal(far, linear_triton(x, w))
+
+
+def test_an_explicit_plan_for_k_0_is_taken():
+    """K = 0 reads nothing: make_plan's plan for it (one slice) runs, as the planner's does, and gives zeros."""
+    x, w = torch.zeros(2, 0), torch.zeros(5, 0)
+    out = torch.full((2, 5), float("nan"))
+    assert linear_triton(x, w, plan=make_plan(2, 5, 0, block_n=8, block_k=16), out=out) is out
+    assert bool((out == 0).all())
+
+
 def tma_plan(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128, stages: int = 4):
     return make_plan(m, n, k, block_n, block_k, num_warps=4, num_stages=stages, tma=True)
 

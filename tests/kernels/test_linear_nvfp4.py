@@ -9,9 +9,11 @@ nibble swapped, a scale on the wrong block, a K tile dropped) is off by O(sum |x
 The M = 1 kernel for 16-bit x on programs of 16 rows or more (`uses_f16_gemv`) sums each half of a
 16-element block, 8 products, in fp16: each of its 8 fmas rounds to 11 bits, at most 2^-11 of the partial
 sum so far, so a block's sum is off
-by at most 8 * 2^-11 = 2^-8 of its sum |x||w| (x's power-of-two scaling and the fp32 sum of the blocks add
-nothing of that order): its bound is 2^-8 * sum |x||w| (F16_SUM_RTOL) where the others have 1e-5; a wrong
-element still misses by O(sum |x||w|).
+by at most 8 * 2^-11 = 2^-8 of its sum |x||w| (the fp32 sum of the blocks adds nothing of that order): its
+bound is 2^-8 * sum |x||w| (F16_SUM_RTOL) where the others have 1e-5; a wrong element still misses by
+O(sum |x||w|). That holds for x within 2^-24 of its K slice's largest, as here: x's pass puts the slice's
+largest in [2^11, 2^12), so an element 2^25 or more below it (and its products) sinks into fp16's subnormals,
+an error of up to 2^-25 of the largest each, outside this bound (the README says so).
 """
 
 from __future__ import annotations
@@ -369,6 +371,16 @@ def test_x_rows_further_apart_than_int32_indexes_are_read_right():
     far.copy_(x)
     with ops.use_backend("triton"):
         check(far, *w)
+
+
+def test_out_rows_further_apart_than_int32_indexes_are_written_right():
+    """The kernels index out in int32 too: an out whose rows lie 2^30 elements apart is written through a
+    contiguous stand-in and copied in (the wrapped offsets wrote 2^32 elements before out: a crash)."""
+    x, *w = nvfp4_inputs(3, 16, 32, torch.bfloat16, seed=1)
+    far = torch.empty_strided((3, 16), (2**30, 1), dtype=torch.bfloat16).fill_(float("nan"))
+    with ops.use_backend("triton"):
+        assert linear_nvfp4_triton(x, *w, out=far) is far
+        assert torch.equal(far, linear_nvfp4_triton(x, *w))
 
 
 def test_gpus_before_sm_90_are_refused(monkeypatch):
