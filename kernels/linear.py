@@ -375,6 +375,7 @@ def x_scan_block(span: int, cap: int = 8192) -> int:
 # Triton 3.6 on NVIDIA GPUs: a `tl.dot` of 16-bit or fp32 operands takes K >= 16 (`min_dot_size`; the
 # interpreter takes any K, so a smaller block_k passes the CPU tests and fails to compile on the GPU).
 MIN_DOT_K = 16
+TMA_MAX_BOX = 256            # a TMA box's sides, in elements (cuTensorMapEncodeTiled's boxDim)
 
 
 def _is_pow2(v: int) -> bool:
@@ -388,8 +389,8 @@ def plan_shape_refusal(plan: GemvPlan) -> InputError | None:
     the dot path; the weight tile block_n x block_k (times block_m on the CUDA-core rows path, whose
     accumulator holds all three) at most Triton's largest tensor; splits at least 1; num_warps a power of
     two up to 32 (1024 threads); num_stages at least 1. A TMA plan's blocks then meet TensorDescriptor's
-    rules: power-of-two sides, and rows of 16 bytes or more (block_k >= 16 of its 16-bit elements). The
-    planner's plans pass."""
+    rules: power-of-two sides, and rows of 16 bytes or more (block_k >= 16 of its 16-bit elements), and the
+    hardware's: boxes of at most 256 elements a side. The planner's plans pass."""
     for name, value, ok, says in (
             ("block_m", plan.block_m, plan.block_m in (1, 2, 4, 8, 16, 32),
              f"1, 2, 4 or 8 (CUDA cores), 16 or 32 (tl.dot): power-of-two tiles of up to {MAX_M} rows"),
@@ -401,6 +402,12 @@ def plan_shape_refusal(plan: GemvPlan) -> InputError | None:
         return InputError("plan.block_k", plan.block_k, f"at least {MIN_DOT_K} on the tl.dot path (block_m "
                           f"{plan.block_m}): the GPU's dot takes K >= {MIN_DOT_K}",
                           f"make the plan with block_k >= {MIN_DOT_K}, or leave plan=None")
+    if plan.tma:
+        for name, value in (("block_n", plan.block_n), ("block_k", plan.block_k)):
+            if value > TMA_MAX_BOX:
+                return InputError(f"plan.{name}", value, f"at most {TMA_MAX_BOX} on a TMA plan (a TMA box's "
+                                  "sides: the hardware's limit)", f"make the plan with {name} <= {TMA_MAX_BOX}, or "
+                                  "tma=False")
     rows = plan.block_m if plan.block_m < 16 else 1
     if rows * plan.block_n * plan.block_k > tl.TRITON_MAX_TENSOR_NUMEL:
         return InputError("plan", f"block_m {plan.block_m} x block_n {plan.block_n} x block_k {plan.block_k}",

@@ -242,7 +242,8 @@ def test_plans_that_do_not_cover_k_in_whole_steps_are_refused(plan_k, splits, k_
 
 # (M, a plan Triton cannot build, the field its refusal names): tiles that are not powers of two (tl.arange and
 # block shapes; TMA's TensorDescriptor) or empty, a dot of K < 16 (runs interpreted, fails to compile for the
-# GPU), a TMA block of 8 bytes a row, a tile past Triton's largest tensor, no K slice, 3 warps, no stage.
+# GPU), a TMA block of 8 bytes a row or past 256 a side, a tile past Triton's largest tensor, no K slice, 3 warps,
+# no stage.
 BAD_PLANS = [
     (1, make_plan(1, 70, 64, block_n=24, block_k=16), "plan.block_n"),
     (1, make_plan(1, 70, 64, block_n=16, block_k=48), "plan.block_k"),
@@ -254,12 +255,15 @@ BAD_PLANS = [
     (4, make_plan(4, 70, 64, 24, 128, tma=True), "plan.block_n"),
     (4, make_plan(4, 70, 64, 64, 128, block_m=24, tma=True), "plan.block_m"),
     (4, make_plan(4, 70, 64, 64, 4, tma=True), "plan.block_k"),
+    (4, make_plan(4, 70, 64, 512, 64, tma=True), "plan.block_n"),
+    (4, make_plan(4, 70, 512, 64, 512, tma=True), "plan.block_k"),
     (1, make_plan(1, 70, 64, block_n=2048, block_k=1024), "plan"),
     (1, dataclasses.replace(make_plan(1, 70, 64, block_n=16, block_k=16), splits=0), "plan.splits"),
     (1, make_plan(1, 70, 64, block_n=16, block_k=16, num_warps=3), "plan.num_warps"),
     (1, make_plan(1, 70, 64, block_n=16, block_k=16, num_stages=0), "plan.num_stages"),
 ]
-BAD_PLAN_IDS = ["bn24", "bk48", "bm3", "bm64", "bk0", "bn0", "dot_bk8", "tma_bn24", "tma_bm24", "tma_bk4", "numel",
+BAD_PLAN_IDS = ["bn24", "bk48", "bm3", "bm64", "bk0", "bn0", "dot_bk8", "tma_bn24", "tma_bm24", "tma_bk4",
+                "tma_bn512", "tma_bk512", "numel",
                 "splits0", "warps3", "stages0"]
 
 
