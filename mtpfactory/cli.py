@@ -14,6 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ValueType
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import mtpfactory
@@ -22,13 +23,16 @@ from mtpfactory.config import list_heads
 from mtpfactory.errors import ConfigError, MtpfError, UnknownNameError
 
 log = logging.getLogger("mtpfactory")
-_rows: list[dict[str, str]] = []
+_rows: list[dict[str, str]] = []   # one a run; a sweep's (`-m`) each with "sweep" set
 USAGE = "usage: python -m mtpfactory +head=NAME [group=option ...] [key=value ...] [-m for a sweep]"
 
 
 @hydra.main(config_path="pkg://mtpfactory.conf", config_name="config", version_base="1.3")
 def _run(cfg: DictConfig) -> None:
-    row = {"run": " ".join(HydraConfig.get().overrides.task)}
+    hc = HydraConfig.get()
+    row = {"run": " ".join(hc.overrides.task)}
+    if hc.mode == RunMode.MULTIRUN:
+        row["sweep"] = "yes"
     _rows.append(row)
     try:  # the demo's own calls can refuse too (a full KV pool, an op with no provider under backend=triton)
         mtpfactory.config.resolve(cfg)
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [sys.argv[0], *args]
     _rows.clear()
     _run()
-    if len(_rows) > 1:
+    if any("sweep" in r for r in _rows):    # a sweep, even of one run: the table, and exit 0 (refusals are rows)
         print("\n" + _table(_rows))
-    return 1 if any(r.get("result", "").startswith("refused") for r in _rows) and len(_rows) == 1 else 0
+        return 0
+    return 1 if any(r.get("result", "").startswith("refused") for r in _rows) else 0

@@ -50,6 +50,14 @@ def test_a_refusal_during_the_demo_is_a_row_and_the_sweep_goes_on(tmp_path):
     assert "main_kv_blocks=1" in table[3] and "refused: kv pool=" in table[3]
 
 
+def test_a_sweep_of_one_run_is_a_sweep(tmp_path):
+    """`-m` with one job still ends with the table, its refusal a row, exit status 0 (not a single run's 1)."""
+    run = cli("-m", "+head=bf16_moe", "quant=fp8", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    table = run.stdout[run.stdout.index("run "):].splitlines()
+    assert len(table) == 2 + 1 and "quant=fp8" in table[2] and "refused: " in table[2]
+
+
 def test_a_single_refused_run_says_why_and_exits_1(tmp_path):
     run = cli("+head=dense", "runtime.max_seq_len=4", cwd=tmp_path)
     assert run.returncode == 1
