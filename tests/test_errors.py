@@ -155,6 +155,23 @@ def test_dense_head_on_a_preset_without_intermediate_size():
     refused(ConfigError, lambda: mtpfactory.build_head(cfg), "model.intermediate_size=None", "head dense")
 
 
+@pytest.mark.parametrize("head, override, in_message", [
+    ("dense", "model.num_key_value_heads=0", "model.num_key_value_heads=0: must be >= 1"),
+    ("dense", "model.hidden_size=0", "model.hidden_size=0: must be >= 1"),
+    ("dense", "model.intermediate_size=0", "model.intermediate_size=0: must be >= 1"),
+    ("bf16_moe", "model.moe_intermediate_size=-2", "model.moe_intermediate_size=-2: must be >= 1"),
+    ("bf16_moe", "model.num_experts_per_tok=9", "model.num_experts_per_tok=9: at most num_experts=8"),
+    ("dense", "model.rms_norm_eps=-1", "model.rms_norm_eps=-1.0: a positive finite number"),
+    ("dense", "model.rope_theta=inf", "model.rope_theta=inf: a positive finite number"),
+])
+def test_model_dimensions_that_cannot_build_a_head_are_refused_by_name(head, override, in_message):
+    """Zero sizes (a raw ZeroDivisionError, which ended a whole -m sweep), more experts a token than there are
+    (which built, then refused every step naming top_k) and a non-positive eps (NaN logits) are refused at
+    build, naming the model field."""
+    cfg = mtpfactory.compose(f"+head={head}", *CPU, override)
+    refused(ConfigError, lambda: mtpfactory.build_head(cfg), in_message)
+
+
 @pytest.mark.parametrize("override, in_message", [
     ("runtime.dtype=float8", "runtime.dtype='float8'"),
     ("runtime.backend=cuda_graphs", "runtime.backend='cuda_graphs'"),

@@ -11,6 +11,7 @@ check the config, pick the components by registry name and fill in the dimension
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -132,6 +133,17 @@ def check_config(cfg: DictConfig, form: str) -> None:
         raise ConfigError(f"model.{lacking[0]}", None,
                           f"head {name} has a {form} FFN and needs model fields {', '.join(lacking)}",
                           f"set them, or choose a preset that has them (model={preset})")
+    sizes = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+             "max_position_embeddings", *(f for f in FFN_FIELDS[form] if f != "norm_topk_prob"))
+    for f in sizes:
+        if m[f] < 1:
+            raise ConfigError(f"model.{f}", m[f], "must be >= 1", "fix the model preset (or the override)")
+    if form == "moe" and m.num_experts_per_tok > m.num_experts:
+        raise ConfigError("model.num_experts_per_tok", m.num_experts_per_tok, f"at most num_experts="
+                          f"{m.num_experts}: each token is routed to that many of them", "fix the model preset")
+    for f in ("rms_norm_eps", "rope_theta"):
+        if not 0 < m[f] < math.inf:
+            raise ConfigError(f"model.{f}", m[f], "a positive finite number", "fix the model preset")
     if m.num_attention_heads % m.num_key_value_heads:
         raise ConfigError("model.num_key_value_heads", m.num_key_value_heads,
                           f"must divide num_attention_heads={m.num_attention_heads}", "fix the model preset")
