@@ -337,6 +337,18 @@ def test_a_bias_or_scale_beside_a_plain_weight_is_refused(extra):
     refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{extra}=(1,): beside {weight}", "plain weight")
 
 
+@pytest.mark.parametrize("extra", ["gate_up_proj_bias", "gate_up_proj.bias", "down_proj.weight_scale",
+                                   "down_proj_weight_scale_inv"])
+def test_a_bias_or_scale_beside_the_fused_experts_is_refused(extra):
+    """Fused experts (`experts.gate_up_proj`, no `.weight`) have their modifiers after the name, by a dot or (as
+    GPT-OSS-style checkpoints write them) an underscore: refused as beside a plain weight, not left unread."""
+    cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
+    x = "mtp.layers.0.mlp.experts."
+    w = qwen_mtp_weights(cfg.model, "moe", 0, fused_experts=True) | {x + extra: torch.ones(1)}
+    fused = x + extra.split(".")[0].removesuffix("_bias").removesuffix("_weight_scale_inv")
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{x + extra}=(1,): beside {fused}", "plain weight")
+
+
 def test_unread_mtp_tensors_are_named_in_a_warning(caplog):
     cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
     stray = {"mtp.layers.1.fc.weight": torch.zeros(64, 128), "mtp.layers.0.mlp.gate.e_score_correction_bias":

@@ -100,14 +100,17 @@ class TensorSource:
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise WeightsError(key, str(t.dtype), "stored FP8 (a block-quantized checkpoint) where this head reads "
                                "unquantized weights", "use the BF16 release of the checkpoint")
-        if key.endswith(".weight"):
-            beside = [stem + m for m in _MODIFIERS if stem + m in self._tensors]
-            if beside:
-                also = f" (and {', '.join(beside[1:])})" if len(beside) > 1 else ""
-                raise WeightsError(beside[0], tuple(self._tensors[beside[0]].shape),
-                                   f"beside {key}{also}, which this head reads as a plain weight (no bias, no scales): "
-                                   "it would compute something else than the checkpoint means",
-                                   "use a checkpoint of the model this head builds (BF16, bias-free projections)")
+        # a plain weight's modifiers sit beside `.weight`; fused experts' (`gate_up_proj`, no `.weight`) after
+        # the name, either joined by a dot or, as GPT-OSS-style checkpoints write them, by an underscore
+        near = ([stem + m for m in _MODIFIERS] if key.endswith(".weight")
+                else [key + sep + m[1:] for m in _MODIFIERS for sep in (".", "_")])
+        beside = [b for b in near if b in self._tensors]
+        if beside:
+            also = f" (and {', '.join(beside[1:])})" if len(beside) > 1 else ""
+            raise WeightsError(beside[0], tuple(self._tensors[beside[0]].shape),
+                               f"beside {key}{also}, which this head reads as a plain weight (no bias, no scales): "
+                               "it would compute something else than the checkpoint means",
+                               "use a checkpoint of the model this head builds (BF16, bias-free projections)")
 
     def take_experts(self, prefix: str, num_experts: int, inter: int, hidden: int, dtype: torch.dtype,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
