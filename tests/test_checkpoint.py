@@ -45,6 +45,14 @@ def test_checkpoint_directory_equals_the_mapping(tmp_path, sharded):
     assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[2])
 
 
+def test_a_directory_without_config_json_builds_and_says_what_goes_unchecked(tmp_path, caplog):
+    cfg = mtpfactory.compose("+head=bf16_moe", "runtime.device=cpu")
+    save_file({n: t.contiguous() for n, t in qwen_mtp_weights(cfg.model, "moe", seed=3).items()},
+              tmp_path / "model.safetensors")
+    mtpfactory.build_head(cfg, tmp_path)
+    assert any("has no config.json" in r.message and "rope_theta" in r.message for r in caplog.records)
+
+
 def test_each_tensor_is_read_from_disk_once_through_one_open_handle(tmp_path, monkeypatch):
     cfg = mtpfactory.compose("+head=bf16_moe", "runtime.dtype=float32", "runtime.device=cpu")
     _save_sharded({n: t.contiguous() for n, t in qwen_mtp_weights(cfg.model, "moe", seed=3).items()}, tmp_path, 2)

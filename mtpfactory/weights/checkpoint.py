@@ -77,6 +77,9 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         in the multimodal Qwen3.5 releases; RoPE fields also under `rope_parameters`)."""
         file = self.path / "config.json"
         if not file.exists():
+            log.warning("%s has no config.json: the preset's %s are not checked against the checkpoint (a wrong "
+                        "rope_theta would build and draft badly); add the release's config.json", self.path,
+                        ", ".join(CONFIG_FIELDS))
             return
         top = _read_json(file)
         text = top.get("text_config") or top
