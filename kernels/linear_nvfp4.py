@@ -43,7 +43,9 @@ read as int32 words of 8 codes (element 8w + i in bits 4i .. 4i + 3: element 2j 
   stores with no shuffle; the loads run one or two K steps ahead of the decode.
 - the decode's power of two and the per-tensor `weight_scale_2` multiply the fp32 sums once
   (`weight_scale_2` loaded on the device: no host sync).
-E4M3 0x7f/0xff (NaN) decodes to +-480, not NaN: the quantizer never stores it and the loader refuses it.
+An E4M3 NaN scale (0x7f/0xff) is undefined here: the bit decodes above read it as +-480, the hardware's
+conversions (the fp16-sum GEMVs, the fp16 dot) as NaN, and the reference refuses it. The quantizer never stores
+it and the loader refuses it; the kernels do not scan for it (a pass over the scales every call).
 """
 
 from __future__ import annotations
