@@ -335,8 +335,8 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     of at most 2^20 elements; FP8 only on the CPU or sm_89 and later (which convert E4M3); v_cache of k_cache's
     shape and dtype; gate None or bf16, fp16 or fp32 of q's shape; k_scale, v_scale None or float32 [blocks,
     block_size, kv_heads]; block_tables an int32 or int64 [B, max_blocks] of at most 2^30 tokens (max_blocks x
-    block_size); context_lens an int32 or int64 [B]; any strides; all on q's device; scale a Python number. `out` is checked where it
-    is written (`check_out`)."""
+    block_size); context_lens an int32 or int64 [B]; any strides; all on q's device; scale a Python number.
+    `out` is checked where it is written (`check_out`)."""
     if err := _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale):
         return err
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -396,9 +396,9 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None, block_n: int, num_warps: int,
                    fast_dot: bool, num_stages: int | None = None) -> InputError | None:
     """Why `paged_decode_attention_triton` cannot launch with these tuning arguments (which the op does not
-    take), or None: num_splits None or 1 to 65535 (the grid), its partials under 2^31 elements; block_n a power of two >= 16 (tl.dot) whose
-    [block_n, D] and [q_heads / kv_heads, block_n] tiles (padded) hold at most 2^20 elements; num_warps 1, 2,
-    4, 8, 16 or 32; fast_dot a bool; num_stages None or 1 to 8. Asked on operands
+    take), or None: num_splits None or 1 to 65535 (the grid), its partials under 2^31 elements; block_n a power
+    of two >= 16 (tl.dot) whose [block_n, D] and [q_heads / kv_heads, block_n] tiles (padded) hold at most 2^20
+    elements; num_warps 1, 2, 4, 8, 16 or 32; fast_dot a bool; num_stages None or 1 to 8. Asked on operands
     `paged_decode_attention_refusal` passed."""
     g_pad, d_pad = _pads(q, k_cache)
     # the splits' partials [B, kv_heads, splits, G_PAD, D_PAD] (fp32) are addressed in int32
