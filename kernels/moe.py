@@ -596,7 +596,7 @@ def _moe_down_gemv_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, part_ptr,
 
 
 @triton.jit
-def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_som, stride_sgm, stride_om,
+def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_ps, stride_som, stride_sgm, stride_om,
                       BM: tl.constexpr, BHO: tl.constexpr, HAS_SHARED: tl.constexpr, ACT: tl.constexpr,
                       INTERP: tl.constexpr):
     """out = sum over the splits of part[s] (in split order: deterministic) + the shared blend."""
@@ -607,7 +607,7 @@ def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_som
     parts = part_ptr + rows[:, None] * H + oo[None, :]                                  # split 0's [BM, BHO]
     for s in range(0, SPLIT):
         acc += tl.load(parts, mask=row_ok[:, None] & o_ok[None, :], other=0.0)
-        parts += N.to(tl.int64) * H                                                     # the next split's
+        parts += stride_ps                          # the next split's (N * H: Triton passes it as i64 past 2^31)
     _blend_store(acc, rows, row_ok, oo, o_ok, so_ptr, sg_ptr, out_ptr, stride_som, stride_sgm, stride_om,
                  HAS_SHARED, ACT, INTERP)
 
@@ -724,7 +724,7 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
         PARTIAL=split > 1, num_warps=t["warps"], **consts)
     if split > 1:
         _moe_blend_kernel[(n, triton.cdiv(hidden, 128))](
-            part, so, sg, out, n, hidden, split, *strides, BM=1, BHO=128, HAS_SHARED=has_shared,
+            part, so, sg, out, n, hidden, split, part.stride(0), *strides, BM=1, BHO=128, HAS_SHARED=has_shared,
             ACT=consts["ACT"], INTERP=consts["INTERP"])
     return out
 
@@ -746,7 +746,7 @@ def _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shar
         h, ids, tw, w_dn, s_dn, g_dn, part, n, hidden, inter, w_dn.shape[0], w_dn.stride(0), w_dn.stride(1),
         s_dn.stride(0), s_dn.stride(1), BHO=bho, BI=bk, num_warps=4, **consts)
     _moe_blend_kernel[(n, triton.cdiv(hidden, 128))](
-        part, so, sg, out, n, hidden, top_k, so.stride(0), sg.stride(0), out.stride(0), BM=1, BHO=128,
+        part, so, sg, out, n, hidden, top_k, part.stride(0), so.stride(0), sg.stride(0), out.stride(0), BM=1, BHO=128,
         HAS_SHARED=has_shared, ACT=consts["ACT"], INTERP=consts["INTERP"])
     return out
 
