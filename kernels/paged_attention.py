@@ -332,11 +332,11 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     says no to the same calls), or None: q a bf16, fp16 or fp32 [B, q_heads, D], D <= 512, B < 2^31 (the
     grid); k_cache a bf16, fp16, fp32 or float8_e4m3fn [blocks, block_size, kv_heads, D], kv_heads >= 1 dividing
     q_heads, at most 65535 (the grid), a group's [q_heads / kv_heads, D] tile (padded to powers of two >= 16)
-    of at most 2^20 elements; FP8 only on the CPU or sm_89 and later (which convert E4M3); v_cache of k_cache's
-    shape and dtype; gate None or bf16, fp16 or fp32 of q's shape; k_scale, v_scale None or float32 [blocks,
-    block_size, kv_heads]; block_tables an int32 or int64 [B, max_blocks] of at most 2^30 tokens (max_blocks x
-    block_size); context_lens an int32 or int64 [B]; any strides; all on q's device; scale a Python number.
-    `out` is checked where it is written (`check_out`)."""
+    of at most 2^20 elements, and of at most 32 q heads unless q or the cache is fp32; FP8 only on the CPU or
+    sm_89 and later (which convert E4M3); v_cache of k_cache's shape and dtype; gate None or bf16, fp16 or fp32
+    of q's shape; k_scale, v_scale None or float32 [blocks, block_size, kv_heads]; block_tables an int32 or int64
+    [B, max_blocks] of at most 2^30 tokens (max_blocks x block_size); context_lens an int32 or int64 [B]; any
+    strides; all on q's device; scale a Python number. `out` is checked where it is written (`check_out`)."""
     if err := _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale):
         return err
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -357,6 +357,15 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                           f"{_MAX_BLOCK} elements (q {list(q.shape)})",
                           "call the op (`paged_decode_attention`) under runtime.backend=auto: it runs the reference "
                           "for others")
+    # Groups of 33 q heads or more (G_PAD >= 64) on a 16-bit or FP8 cache gave wrong results on an H100 (2026-12-05,
+    # 64 bf16 q heads a KV head, D 512: 91% of the outputs off); fp32 q and cache there ran right. Likely the dots'
+    # compile at 64 rows (Hopper's wgmma, where tf32 or 16-bit dots go) rather than the FMAs of fp32's "ieee" dots.
+    # Until a GPU run shows which, such groups run the reference.
+    if g_pad >= 64 and torch.float32 not in (q.dtype, k_cache.dtype):
+        return InputError("q", f"{q.dtype} {list(q.shape)}", f"at most 32 q heads a KV head (here "
+                          f"{hq // hkv}) on a {k_cache.dtype} cache: larger groups gave wrong results on a GPU",
+                          "call the op (`paged_decode_attention`) under runtime.backend=auto: it runs the reference "
+                          "for them")
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8 and q.is_cuda and (cap := torch.cuda.get_device_capability(q.device)) < (8, 9):
         return InputError("k_cache", f"float8_e4m3fn on {q.device}, capability {cap}",

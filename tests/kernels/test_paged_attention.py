@@ -375,6 +375,8 @@ BAD = {
     "q heads not a multiple of KV heads": (_with(q=lambda a: a["q"][:, :3]), "q",
                                            "a multiple of the cache's kv_heads = 2"),
     "q D past 512": (lambda: _heads(2, 1, 520), "q", "D <= 512"),
+    "q group of 33 on a bf16 cache": (lambda: [t.bfloat16() if i < 3 else t for i, t in enumerate(_heads(33, 1, 16))],
+                                      "q", r"at most 32 q heads a KV head \(here 33\) on a torch.bfloat16 cache"),
     "q B past the grid": (_huge_batch, "q", "B <= 2147483647"),
     "k_cache of other D": (_with(k_cache=lambda a: a["k_cache"][..., :8]), "k_cache", "of q's head_dim D = 16"),
     "k_cache of no KV heads": (_with(k_cache=lambda a: a["k_cache"][:, :, :0]), "k_cache", "kv_heads >= 1"),
