@@ -358,9 +358,10 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                           "call the op (`paged_decode_attention`) under runtime.backend=auto: it runs the reference "
                           "for others")
     # Groups of 33 q heads or more (G_PAD >= 64) on a 16-bit or FP8 cache gave wrong results on an H100 (2026-12-05,
-    # 64 bf16 q heads a KV head, D 512: 91% of the outputs off); fp32 q and cache there ran right. Likely the dots'
-    # compile at 64 rows (Hopper's wgmma, where tf32 or 16-bit dots go) rather than the FMAs of fp32's "ieee" dots.
-    # Until a GPU run shows which, such groups run the reference.
+    # 64 bf16 q heads a KV head, D 512: 91% of the outputs off); fp32 q and cache there ran right. Compiled for
+    # sm_90, G_PAD 64 is where the dots turn from mma.sync (HMMA, G_PAD 16 and 32) to wgmma (HGMMA: 64x16x8 and
+    # 64x256x8 TF32 here, 64x16x16 and 64x256x16 with fast_dot), while fp32's "ieee" dots are FMAs. Until a GPU
+    # run shows which wgmma path is wrong, such groups run the reference.
     if g_pad >= 64 and torch.float32 not in (q.dtype, k_cache.dtype):
         return InputError("q", f"{q.dtype} {list(q.shape)}", f"at most 32 q heads a KV head (here "
                           f"{hq // hkv}) on a {k_cache.dtype} cache: larger groups gave wrong results on a GPU",
