@@ -5,7 +5,8 @@ against its dequantized weights at the tiny presets; only here do the kernels ru
 tuned for, together: the GEMV planners and the wgmma LM head (a prefill's chunks of rows), paged attention
 over a context with its default splits, the fused MoE over 512 experts, x's pass fused into the final norm.
 
-Two sequences are prefilled (300 and 37 rows, the first in two chunks), then stepped together three times,
+Two sequences are prefilled (300 and 37 rows, in chunks of 32: under runtime.backend=triton a prefill chunk is
+one call of each projection, and the Triton linears take up to 32 rows), then stepped together three times,
 the tokens and hidden rows drawn from a seed. Tolerance: bf16 runs, so both paths round every activation to
 bf16, in different places (fused kernels keep fp32 where the references round): the logits' relative error
 (Frobenius) under 2e-2, as the CPU tests allow bf16 (measured there ~5e-3 to 8e-3). (Not the argmax tokens:
@@ -25,7 +26,7 @@ from mtpfactory.weights.synthetic import qwen_mtp_weights
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 GPU = ("runtime.device=cuda", "runtime.dtype=bfloat16", "runtime.max_seq_len=1024", "runtime.max_seqs=4",
-       "runtime.prefill_chunk=256")
+       "runtime.prefill_chunk=32")
 DENSE, MOE = "qwen3_5_dense", "qwen3_next_80b"
 # name: (head, model preset, overrides): each quant mode and KV form of the table (DESIGN 2.2) at a real size
 CASES = {
