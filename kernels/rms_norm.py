@@ -98,12 +98,12 @@ _MAX_H = 65536  # one row in registers; wider rows fall back to native
 
 
 def rms_norm_refusal(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-                     weight_field: str = "weight") -> InputError | None:
+                     weight_field: str = "weight", residual_out: torch.Tensor | None = None) -> InputError | None:
     """Why `rms_norm_triton` cannot take these operands, as the error it raises (its predicate says no to the
     same calls, and `rms_norm_linear_nvfp4_triton` asks it about its norm, the weight named `weight_field`), or
     None: x a contiguous bf16, fp16 or fp32 [..., H], 1 <= H <= 65536 (the row in registers; the kernel steps
     rows by H); weight a contiguous bf16, fp16 or fp32 [H] (read with unit stride); residual a contiguous
-    tensor of x's shape and dtype."""
+    tensor of x's shape and dtype; residual_out only with a residual (`residual_refusal`)."""
     if x.dim() == 0 or x.dtype not in _FLOATS or not 1 <= x.shape[-1] <= _MAX_H:
         return InputError("x", f"{x.dtype} {list(x.shape)}", f"a bf16, fp16 or fp32 [..., H] tensor, 1 <= H <= "
                           f"{_MAX_H} (one row in registers)", "call the op (`rms_norm`) under runtime.backend=auto: "
@@ -116,7 +116,7 @@ def rms_norm_refusal(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
         return InputError(weight_field, f"{weight.dtype} {list(weight.shape)}, strides {weight.stride()}",
                           f"a contiguous bf16, fp16 or fp32 [H] = [{h}] tensor (read with unit stride)",
                           f"pass the norm's [{h}] weight, with unit stride: {weight_field}.contiguous()")
-    if err := residual_refusal(x, residual):
+    if err := residual_refusal(x, residual, residual_out):
         return err
     if residual is not None and not residual.is_contiguous():
         return InputError("residual", f"strides {residual.stride()} of {list(residual.shape)}",
@@ -131,7 +131,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     (optional) receives what the NVFP4 GEMV's x pass would write for the norm, viewed as [M, H] (H a multiple
     of 16); `pdl`: the next launch is a programmatic dependent launch (`linear.x_pass_pdl`). Operands as
     `rms_norm_refusal` says."""
-    if err := rms_norm_refusal(x, weight, residual) or residual_refusal(x, residual, residual_out):
+    if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out):
         raise err
     return rms_norm_launch(x, weight, eps, zero_centred, residual, out, residual_out, x_pairs, pdl)
 
@@ -176,7 +176,7 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
 def _rms_norm_call_refusal(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None):
     """The op's call: `rms_norm_refusal`, and `out` / `residual_out` contiguous (the kernel writes rows H
     apart; `auto` gives others to the reference, which writes any strides)."""
-    if err := rms_norm_refusal(x, weight, residual) or residual_refusal(x, residual, residual_out):
+    if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out):
         return err
     for field, t in (("out", out), ("residual_out", residual_out)):
         if t is not None and not t.is_contiguous():
