@@ -100,7 +100,8 @@ def _quantize_store(x_ptr, c_ptr, s_ptr, row, blk, off, s_xn, s_xh, s_xd, s_cb, 
     d = tl.arange(0, D_PAD)
     h_mask = h < KV_HEADS
     mask = h_mask[:, None] & (d < HEAD_DIM)[None, :]
-    x = tl.load(x_ptr + row * s_xn + h[:, None] * s_xh + d[None, :] * s_xd, mask=mask,
+    hh = h.to(tl.int64)  # heads may lie past 2^31 elements apart (h * stride), in x as in the cache
+    x = tl.load(x_ptr + row * s_xn + hh[:, None] * s_xh + d[None, :] * s_xd, mask=mask,
                 other=0.0).to(tl.float32)  # [H_PAD, D_PAD]
     if HAS_SCALE:
         # amax as the max of |x|'s bits: for non-negative floats the integer order is the float order and a
@@ -111,14 +112,14 @@ def _quantize_store(x_ptr, c_ptr, s_ptr, row, blk, off, s_xn, s_xh, s_xd, s_cb, 
         s = tl.math.div_rn(amax, _FP8_MAX)  # correctly rounded like torch
         s = tl.where(s == 0.0, 1.0, s)
         x = tl.math.div_rn(x, s[:, None])
-        tl.store(s_ptr + blk * s_sb + off * s_st + h * s_sh, s, mask=h_mask)
+        tl.store(s_ptr + blk * s_sb + off * s_st + hh * s_sh, s, mask=h_mask)
     # Clamp by compare and select, so that a NaN fails both compares and stays NaN, as in torch's clamp. The
     # sign is taken before it: on the H200 the compiler turns the selects into min/max, which give the
     # canonical (positive) NaN, where torch keeps a -NaN's sign (code 0xFF).
     neg = x.to(tl.int32, bitcast=True) < 0
     x = tl.where(x > _FP8_MAX, _FP8_MAX, tl.where(x < -_FP8_MAX, -_FP8_MAX, x))
     code = (e4m3_rne_bits(x) & 0x7F) | tl.where(neg, 0x80, 0)
-    dst = c_ptr + blk * s_cb + off * s_ct + h[:, None] * s_ch + d[None, :] * s_cd
+    dst = c_ptr + blk * s_cb + off * s_ct + hh[:, None] * s_ch + d[None, :] * s_cd
     tl.store(dst, code.to(tl.uint8), mask=mask)
 
 

@@ -133,6 +133,18 @@ def test_triton_strided_inputs_and_int32_slots():
     _assert_same(_run("triton", *args), _run("native", *args))
 
 
+def test_triton_heads_further_apart_than_int32_indexes_are_read_right():
+    """k's heads 2^30 elements apart (head 2 at 2^31): the kernel reads a head at h * stride in int64, not at a
+    wrapped int32 offset (2^32 elements before k). The 8 GiB behind k are only reserved; a head's 16 values and
+    v's are touched."""
+    gen = torch.Generator().manual_seed(4)
+    k = torch.empty_strided((2, 3, 16), (16, 2**30, 1))
+    k.copy_(torch.randn(2, 3, 16, generator=gen) * 30)
+    v = torch.randn(2, 3, 16, generator=gen)
+    args = (k, v, torch.tensor([5, 0]), 2, 4, True, False)
+    _assert_same(_run("triton", *args), _run("native", *args))
+
+
 def test_triton_slot_minus_one_is_the_last_slot_and_nothing_before_the_cache_is_written():
     k = torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(4))
     guarded = [_fp8_cache(2 * 3, 2, 1, 16) for _ in range(2)]  # blocks 2, 3 are the cache; the rest guard it
