@@ -209,7 +209,8 @@ def _moe_file(folder, name="model.safetensors", **changes):
 
 
 @pytest.mark.parametrize("case", ["index not json", "index without weight_map", "config not json",
-                                  "config a list", "a corrupt file", "a pickle named .safetensors"])
+                                  "config a list", "a config field a string", "a corrupt file",
+                                  "a pickle named .safetensors"])
 def test_malformed_files_are_refused_naming_the_file(tmp_path, case):
     """Each is a WeightsError naming the file (a refusal row in a sweep), not a parser's own exception."""
     cfg = _moe_file(tmp_path, "model-00001-of-00001.safetensors")
@@ -217,6 +218,7 @@ def test_malformed_files_are_refused_naming_the_file(tmp_path, case):
            "index without weight_map": ("model.safetensors.index.json", '{"metadata": {}}'),
            "config not json": ("config.json", "rope_theta: 1e7"),
            "config a list": ("config.json", "[]"),
+           "a config field a string": ("config.json", '{"rope_theta": "1e7"}'),
            "a corrupt file": ("extra.safetensors", "\xff" * 64),
            "a pickle named .safetensors": ("extra.safetensors", None)}[case]
     if bad[1] is None:

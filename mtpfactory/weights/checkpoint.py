@@ -95,7 +95,11 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
                               "use a config without rope_scaling (as the released checkpoints ship)")
         for field in CONFIG_FIELDS:
             want, have = found.get(field), model.get(field)
-            if isinstance(want, (int, float)) and have is not None and not math.isclose(want, have, rel_tol=1e-6):
+            if want is not None and not isinstance(want, (int, float)):  # e.g. "1e7": it would go unchecked
+                raise WeightsError(f"config.json {field}", json.dumps(want)[:80], "a JSON number (true or false "
+                                   "for a flag), as the releases write it", f"write {field} unquoted in "
+                                   f"{file}, or remove it to leave it unchecked")
+            if want is not None and have is not None and not math.isclose(want, have, rel_tol=1e-6):
                 # (a bool is an int here: true against false differs by 1)
                 want = json.dumps(want)  # as an override reads it: false, not False
                 raise ConfigError(f"model.{field}", have, f"the checkpoint's config.json says {field}={want}",
