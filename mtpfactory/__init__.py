@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from mtpfactory import ops
 from mtpfactory.config import compose, list_heads
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 def _head_builder(cfg: DictConfig):
     from mtpfactory import registry
 
-    if cfg.get("head") is None:
+    if cfg.get("head") is None or OmegaConf.is_missing(cfg.head, "name"):
         raise ConfigError("head", None, f"no head chosen; heads: {', '.join(list_heads())}",
                           "compose with +head=NAME")
     return registry.get("head", cfg.head.name)

@@ -19,8 +19,8 @@ from omegaconf import DictConfig
 
 import mtpfactory
 from mtpfactory import registry
-from mtpfactory.config import list_heads
-from mtpfactory.errors import ConfigError, MtpfError, UnknownNameError
+from mtpfactory.config import GROUPS, check_overrides, list_heads, options
+from mtpfactory.errors import ConfigError, MtpfError
 
 log = logging.getLogger("mtpfactory")
 _rows: list[dict[str, str]] = []   # one a run; a sweep's (`-m`) each with "sweep" set
@@ -35,6 +35,7 @@ def _run(cfg: DictConfig) -> None:
         row["sweep"] = "yes"
     _rows.append(row)
     try:  # the demo's own calls can refuse too (a full KV pool, an op with no provider under backend=triton)
+        mtpfactory.config.check_keys(cfg)
         mtpfactory.config.resolve(cfg)
         _check_demo(cfg)
         row |= _demo(cfg, mtpfactory.build_head(cfg))
@@ -100,43 +101,52 @@ def _table(rows: list[dict[str, str]]) -> str:
     return "\n".join([line(cols), "-+-".join("-" * w for w in width)] + [line(x) for x in cells])
 
 
-def _check_heads(args: list[str]) -> None:
-    """Refuse a missing or unknown head before Hydra does (exit status 2, the heads, a "did you mean"); each
-    value a sweep (`+head=a,b`, `+head=choice(a,b)`) would run is checked."""
-    names = None
-    for arg in args:
-        if arg.partition("=")[0].lstrip("+~") == "head":
-            names = _head_values(arg)
-    if not names:
+def _check_args(args: list[str]) -> None:
+    """Refuse before Hydra runs (exit status 2, the usage and the refusal): a missing head, and each value a
+    run or a sweep would take (`+head=a,b`, `quant=choice(bf16,fp4)`) that `check_overrides` refuses: an
+    unknown head or group option (the options and a "did you mean"), a switch lever set to a non-switch word.
+    A sweep with one such value would otherwise end in Hydra's traceback, after the runs before it."""
+    if not any(_values(a) for a in args if a.partition("=")[0].lstrip("+~") == "head"):
         print(f"{USAGE}\nno head chosen: add +head=NAME. Heads: {', '.join(list_heads())}", file=sys.stderr)
         raise SystemExit(2)
-    for name in names:
-        if name not in list_heads():
-            print(f"{USAGE}\n{UnknownNameError('head', name, list_heads())}", file=sys.stderr)
-            raise SystemExit(2)
+    for arg in args:
+        key = arg.partition("=")[0]
+        for value in _values(arg):
+            try:
+                check_overrides([f"{key}={value}"])
+            except ConfigError as e:
+                print(f"{USAGE}\n{e}", file=sys.stderr)
+                raise SystemExit(2) from None
 
 
-def _head_values(arg: str) -> list[str]:
-    """The head names a `head=` override selects, parsed as Hydra parses it. A glob selects only heads that
-    exist; an override Hydra cannot parse is left for Hydra to report."""
+def _values(arg: str) -> list[str]:
+    """The values an override `key=...` selects, parsed as Hydra parses it (each of a sweep's; a group's glob
+    selects only its options that exist); none for a flag, a deletion, an interval sweep, or an override Hydra
+    cannot parse (left for Hydra to report)."""
+    if arg.startswith("-") or "=" not in arg:
+        return []
     try:
         o = OverridesParser.create().parse_overrides([arg])[0]
     except HydraException:
-        return list_heads()
+        return []
     if o.is_delete():
         return []
     if o.value_type == ValueType.GLOB_CHOICE_SWEEP:
-        return o.value().filter(list_heads())
+        group = o.key_or_group
+        return o.value().filter(options(group)) if group in GROUPS else []
     if o.is_discrete_sweep():
         return list(o.sweep_string_iterator())
+    if o.is_sweep_override():
+        return []
     return [o.get_value_element_as_str()]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
-    asks_help = {"-h", "--help", "--hydra-help", "-i"} & set(args) or any(a.startswith("--info") for a in args)
+    asks_help = ({"-h", "--help", "--hydra-help", "-i", "-sc"} & set(args)
+                 or any(a.startswith(("--info", "--shell-completion")) for a in args))
     if not asks_help:
-        _check_heads(args)
+        _check_args(args)
     registry.load_entry_points()
     sys.argv = [sys.argv[0], *args]
     _rows.clear()

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from mtpfactory.cli import _check_heads
+from mtpfactory.cli import _check_args
 
 
 def cli(*args, cwd):
@@ -65,12 +65,43 @@ def test_a_single_refused_run_says_why_and_exits_1(tmp_path):
     assert "Traceback" not in run.stderr + run.stdout
 
 
-@pytest.mark.parametrize("value, bad", [("choice(dense,bf16_moe)", None), ("dense,bf16_moe", None), ("glob(*)", None),
-                                        ("choice(dense,bf16moe)", "did you mean 'bf16_moe'")])
-def test_head_sweep_functions_are_checked_value_by_value(value, bad, capsys):
+@pytest.mark.parametrize("args, bad", [
+    (["+head=choice(dense,bf16_moe)"], None), (["+head=dense,bf16_moe"], None), (["+head=glob(*)"], None),
+    (["+head=choice(dense,bf16moe)"], "did you mean 'bf16_moe'"),
+    (["+head=dense", "quant=bf16,fp4"], "quant='fp4': unknown; known: bf16, fp8, nvfp4. Fix: did you mean 'nvfp4'?"),
+    (["+head=dense", "kv=choice(fp8,fp9)"], "kv='fp9'"),
+    (["+head=dense", "quant=glob(*)", "levers.kv_exact=true,off", "runtime.max_seqs=range(1,3)"], None),
+    (["+head=dense", "levers.kv_exact=0,2"], "levers.kv_exact='2': a switch: 1, 0, true, false"),
+    (["+head=dense", "+levers.drafter_prefill=-1"], "levers.drafter_prefill='-1': a switch"),
+])
+def test_every_sweep_value_of_a_group_or_switch_is_checked_before_hydra_runs(args, bad, capsys):
+    """A head, a group option or a switch's word that no run could take refuses the command at once (exit
+    status 2, the usage and the refusal), not Hydra's traceback after the runs before it."""
     if bad is None:
-        _check_heads(["-m", f"+head={value}"])
+        _check_args(["-m", *args])
         return
     with pytest.raises(SystemExit) as e:
-        _check_heads(["-m", f"+head={value}"])
-    assert e.value.code == 2 and bad in capsys.readouterr().err
+        _check_args(["-m", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and bad in err and err.startswith("usage: ")
+
+
+def test_a_key_the_schema_lacks_is_a_refused_row_naming_it(tmp_path):
+    """`+key=value` is added as written by Hydra: a typo, or a `_target_`, is refused (a row in a sweep), not run
+    as if absent."""
+    run = cli("-m", "+head=dense", "+levers.kv_exct=true,false", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    table = run.stdout[run.stdout.index("run "):].splitlines()
+    assert len(table) == 2 + 2 and all("refused: levers.kv_exct=" in row and "levers.kv_exact?" in row
+                                       for row in table[2:])
+    run = cli("+head=dense", "+head._target_=os.system", cwd=tmp_path)
+    assert run.returncode == 1 and "refused: head._target_='os.system': not a config key" in run.stdout
+
+
+def test_a_head_sweep_takes_an_override_of_the_heads_fields(tmp_path):
+    """`head.ffn=...` beside a head sweep: the head node exists before the sweep chooses one (it was None, and
+    Hydra failed on it with a traceback before any run)."""
+    run = cli("-m", "+head=dense,bf16_moe", "head.norm=rmsnorm", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    table = run.stdout[run.stdout.index("run "):].splitlines()
+    assert len(table) == 2 + 2 and "Traceback" not in run.stderr

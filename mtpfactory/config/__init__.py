@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib.resources
 import os
+import typing
 
 from hydra import compose as _hydra_compose
 from hydra import initialize_config_module
@@ -29,14 +32,50 @@ def list_heads() -> list[str]:
     return options("head")
 
 
-def check_group_overrides(overrides: list[str] | tuple[str, ...]) -> None:
-    """Refuse an unknown option of a group (`+head=NAME`, `kv=NAME`, ...) before Hydra does: Hydra's own
-    message lists files and search paths, not the options and a "did you mean"."""
+BOOL_WORDS = ("1", "0", "true", "false", "yes", "no", "on", "off")
+SWITCHES = tuple(f for f in LEVERS if schema.LeversConfig.__dataclass_fields__[f].type in (bool, "bool"))
+
+
+def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
+    """Refuse, before Hydra composes: an unknown option of a group (`+head=NAME`, `kv=NAME`, ...), whose Hydra
+    message lists files and search paths, not the options and a "did you mean"; and a switch lever set to a
+    word outside BOOL_WORDS, which OmegaConf would read as a bool (`levers.kv_exact=2` switches it on)."""
     for o in overrides:
         key, eq, value = o.partition("=")
-        group = key.lstrip("+~")
-        if eq and group in GROUPS and value not in options(group):
-            raise UnknownNameError(group, value, options(group))
+        key = key.lstrip("+~")
+        if eq and key in GROUPS and value not in options(key):
+            raise UnknownNameError(key, value, options(key))
+        if eq and key.removeprefix("levers.") in SWITCHES and value.strip().lower() not in BOOL_WORDS:
+            raise ConfigError(key, value, f"a switch: {', '.join(BOOL_WORDS)}", f"set {key}=true or {key}=false")
+
+
+def _sections() -> dict[str, tuple[str, ...]]:
+    """The config's sections and each one's keys, from the schema."""
+    return {name: tuple(f.name for f in dataclasses.fields(kind))
+            for name, kind in typing.get_type_hints(schema.Config).items()}
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """Refuse a key the schema lacks. Hydra appends any `+key=value` as written, so a typo (`+quantt=fp8`,
+    `+levers.kv_exct=true`) would run as if absent; and a `_target_` would sit unread, since components are
+    chosen by registry name, never by a target (DESIGN 5)."""
+    sections = _sections()
+    for section, node in OmegaConf.to_container(cfg, resolve=False).items():
+        keys = sections.get(section)
+        if keys is None:
+            raise _unknown_key(section, node, sections)
+        for key, value in node.items():
+            if key not in keys:
+                raise _unknown_key(f"{section}.{key}", value, keys)
+
+
+def _unknown_key(key: str, value: object, known) -> ConfigError:
+    name = key.rpartition(".")[2]
+    close = difflib.get_close_matches(name, known, n=1)
+    fix = (f"remove it: components are chosen by registry name (head.ffn=NAME, ...), never by {name}"
+           if name == "_target_" else f"did you mean {key[: -len(name)]}{close[0]}?" if close
+           else "remove it (a +key is added as written, and nothing reads it)")
+    return ConfigError(key, value, f"not a config key; known here: {', '.join(known)}", fix)
 
 
 def compose(*overrides: str) -> DictConfig:
@@ -44,7 +83,7 @@ def compose(*overrides: str) -> DictConfig:
 
     The result is resolved: a malformed MTPF_* environment value fails here, naming the variable."""
     overrides = list(overrides)
-    check_group_overrides(overrides)
+    check_overrides(overrides)
     # A caller that is itself a Hydra app has initialized Hydra with its own config: compose from ours, then
     # give the caller its Hydra back.
     gh = GlobalHydra.instance()
@@ -55,11 +94,9 @@ def compose(*overrides: str) -> DictConfig:
             cfg = _hydra_compose(config_name="config", overrides=overrides)
     finally:
         GlobalHydra.instance().hydra = callers
+    check_keys(cfg)
     resolve(cfg)
     return cfg
-
-
-BOOL_WORDS = ("1", "0", "true", "false", "yes", "no", "on", "off")
 
 
 def resolve(cfg: DictConfig) -> None:

@@ -101,7 +101,9 @@ class DemoConfig:
 
 @dataclass
 class Config:
-    head: Optional[HeadConfig] = None  #: chosen with +head=NAME
+    #: chosen with +head=NAME; unchosen, its fields are missing (a node, not None, so that `head.ffn=...` applies
+    #: before a sweep's `+head=a,b` has chosen one)
+    head: HeadConfig = field(default_factory=HeadConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     kv: KVConfig = field(default_factory=KVConfig)
