@@ -43,7 +43,7 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.P
     """Build the head `cfg` describes. `weights`: None for what `cfg.weights` says (synthetic from
     `weights.seed`, or the checkpoint at `weights.path`), a mapping of checkpoint-named tensors (DESIGN 2.1
     names), or a checkpoint directory."""
-    from mtpfactory.build import BuildContext, runtime_device, runtime_dtype
+    from mtpfactory.build import BuildContext, runtime_device, runtime_dtype, weights_seed
     from mtpfactory.weights.checkpoint import SafetensorsCheckpoint
     from mtpfactory.weights.source import TensorSource
     from mtpfactory.weights.synthetic import qwen_mtp_weights
@@ -59,7 +59,7 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.P
         if cfg.weights.source != "synthetic":
             raise ConfigError("weights.source", cfg.weights.source, "allowed: synthetic, checkpoint",
                               "use weights=synthetic, or weights=checkpoint weights.path=DIR")
-        weights, origin = qwen_mtp_weights(cfg.model, builder.ffn_form, cfg.weights.seed), "synthetic weights"
+        weights, origin = qwen_mtp_weights(cfg.model, builder.ffn_form, weights_seed(cfg)), "synthetic weights"
     elif isinstance(weights, (str, os.PathLike)):
         weights = SafetensorsCheckpoint(weights)
         weights.check_model_config(cfg.model)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from omegaconf import DictConfig
@@ -11,6 +13,7 @@ from mtpfactory.components.linear import Linear, make_linear
 from mtpfactory.errors import ConfigError
 from mtpfactory.weights.source import TensorSource
 
+T = TypeVar("T")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -63,3 +66,22 @@ def runtime_device(cfg: DictConfig) -> torch.device:
         raise ConfigError("runtime.device", cfg.runtime.device, "no CUDA device is available here",
                           "use runtime.device=cpu or auto")
     return device
+
+
+def weights_seed(cfg: DictConfig) -> int:
+    """`weights.seed`, refused outside [0, 2^63): torch's generators take at most 2^64 - 1, and the demo draws
+    its sequences from seed + 1."""
+    seed = cfg.weights.seed
+    if not 0 <= seed < 2**63:
+        raise ConfigError("weights.seed", seed, "a seed in [0, 2^63)", "use one in that range, e.g. weights.seed=0")
+    return seed
+
+
+def allocated(make: Callable[[], T], field: str, value: object, nbytes: int, device: torch.device, fix: str) -> T:
+    """`make()`, or a ConfigError naming the field that sized its `nbytes` when `device` cannot hold them."""
+    try:
+        return make()
+    except RuntimeError as e:  # torch's allocators: CPU and CUDA out of memory, a size past int64
+        raise ConfigError(field, value, f"sizes {nbytes / 2**30:.3g} GiB, which {device} cannot allocate "
+                          f"({str(e).splitlines()[0][:200]})", fix) from None
+

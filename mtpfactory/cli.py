@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 import mtpfactory
 from mtpfactory import registry
+from mtpfactory.build import weights_seed
 from mtpfactory.config import GROUPS, check_overrides, list_heads, options
 from mtpfactory.errors import ConfigError, MtpfError
 
@@ -61,7 +62,7 @@ def _check_demo(cfg: DictConfig) -> None:
 def _demo(cfg: DictConfig, head: mtpfactory.DraftHead) -> dict[str, str]:
     """Prefill `demo.sequences` synthetic sequences, then propose `demo.k` tokens for all of them."""
     d, dev = cfg.demo, head.device
-    g = torch.Generator().manual_seed(cfg.weights.seed + 1)
+    g = torch.Generator().manual_seed(weights_seed(cfg) + 1)
     n = min(d.sequences, cfg.runtime.max_seqs)
     lens = [min(d.prompt_len + 7 * i, cfg.runtime.max_seq_len - d.k - 1) for i in range(n)]
     rows = 0

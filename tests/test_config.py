@@ -61,6 +61,19 @@ def test_cross_field_rules_are_checked_when_the_head_is_built(override, field):
     assert e.value.field == field
 
 
+@pytest.mark.parametrize("override, says", [
+    ("runtime.max_seqs=1000000000000", "which cpu cannot allocate"),       # the KV pool: 4.9e8 GiB
+    ("runtime.prefill_chunk=100000000000", "which cpu cannot allocate"),   # the prefill's scratch rows
+    ("weights.seed=99999999999999999999", "a seed in [0, 2^63)"), ("weights.seed=-1", "a seed in [0, 2^63)"),
+])
+def test_sizes_the_machine_cannot_hold_and_seeds_torch_cannot_take_are_refused_naming_the_field(override, says):
+    """Each was torch's own error (a traceback, and the end of a sweep) before."""
+    cfg = mtpfactory.compose("+head=dense", override)
+    with pytest.raises(ConfigError) as e:
+        mtpfactory.build_head(cfg)
+    assert e.value.field == override.partition("=")[0] and says in str(e.value)
+
+
 @pytest.mark.parametrize("override, group, says", [("kv=int4", "kv", "choose one of auto, bf16, fp32, fp8"),
                                                    ("quant=fp4", "quant", "did you mean 'nvfp4'"),
                                                    ("model=qwen3_next_tin", "model", "did you mean 'qwen3_next_tiny'")])

@@ -20,7 +20,7 @@ from torch import nn
 
 from mtpfactory import kernels as K
 from mtpfactory import ops, registry
-from mtpfactory.build import BuildContext, runtime_dtype
+from mtpfactory.build import BuildContext, allocated, runtime_dtype
 from mtpfactory.components.cache import PagedKVCache, PoolSpec, drafter_pool_blocks
 from mtpfactory.components.ffn import build_moe, build_swiglu
 from mtpfactory.components.linear import Linear
@@ -235,14 +235,20 @@ def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
     h, nq, hd, eps = m.hidden_size, m.num_attention_heads, m.head_dim, m.rms_norm_eps
     norm = registry.get("norm", cfg.head.norm)
     spec = pool_spec(cfg)
-    cache = PagedKVCache(spec, cfg.runtime.max_seq_len, cfg.runtime.max_seqs, ctx.device)
+    r = cfg.runtime
+    cache = allocated(lambda: PagedKVCache(spec, r.max_seq_len, r.max_seqs, ctx.device), "runtime.max_seqs",
+                      r.max_seqs, spec.nbytes, ctx.device, f"the KV pool is {spec.num_blocks} blocks of "
+                      f"runtime.block_size={r.block_size} tokens (runtime.max_seqs x runtime.max_seq_len); lower "
+                      "runtime.max_seqs or runtime.max_seq_len, or cap it with runtime.main_kv_blocks")
     attention = registry.get("attention", cfg.head.attention)(
         ctx, LAYER + "self_attn.", q_norm=norm(ctx, LAYER + "self_attn.q_norm.weight", hd, eps),
         k_norm=norm(ctx, LAYER + "self_attn.k_norm.weight", hd, eps), cache=cache)
     ffn = registry.get("ffn", cfg.head.ffn)(ctx, LAYER + "mlp.")
     lm_head = registry.get("lm_head", cfg.head.lm_head)(ctx)
     chunk = cfg.runtime.prefill_chunk
-    scratch = (PrefillScratch(chunk, torch.empty(chunk, 2 * h, dtype=ctx.dtype, device=ctx.device))
+    scratch = (PrefillScratch(chunk, allocated(lambda: torch.empty(chunk, 2 * h, dtype=ctx.dtype, device=ctx.device),
+                                               "runtime.prefill_chunk", chunk, chunk * 2 * h * ctx.dtype.itemsize,
+                                               ctx.device, "lower runtime.prefill_chunk (default 256)"))
                if cfg.levers.drafter_prefill else None)
     experts = getattr(ffn, "num_experts", 0)
     quant = cfg.quant.mode + (" (weight-only NVFP4: q, o, dense FFN)" if form == "dense" and cfg.quant.mode == "nvfp4"
