@@ -136,6 +136,12 @@ def test_kv_exact_from_the_environment_says_so(monkeypatch):
             "levers.kv_exact=True", "unset MTPF_KV_EXACT='1'")
 
 
+def test_mtp_vocab_size_from_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("MTPF_MTP_VOCAB_SIZE", "-5")
+    refused(ConfigError, lambda: mtpfactory.build_head(mtpfactory.compose("+head=dense", *CPU)),
+            "levers.mtp_vocab_size=-5", "unset MTPF_MTP_VOCAB_SIZE='-5' if the command line does not set")
+
+
 def test_moe_head_on_a_preset_without_moe_fields():
     cfg = mtpfactory.compose("+head=bf16_moe", "model=qwen3_5_dense_tiny", *CPU)
     refused(ConfigError, lambda: mtpfactory.build_head(cfg), "model.num_experts=None", "head bf16_moe",

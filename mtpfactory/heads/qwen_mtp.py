@@ -121,11 +121,11 @@ def check_config(cfg: DictConfig, form: str) -> None:
         builds = "a dense SwiGLU FFN, no experts" if form == "dense" else f"{form} experts under quant={cfg.quant.mode}"
         raise ConfigError("levers.experts_nvfp4", True, f"stores the BF16 experts of head bf16_moe (quant=bf16) as "
                           f"NVFP4; head {name} with quant={cfg.quant.mode} builds {builds}",
-                          f"drop the lever (levers.experts_nvfp4=false{_from_env('MTPF_EXPERTS_NVFP4')}); for MoE "
+                          f"drop the lever (levers.experts_nvfp4=false{_from_env('experts_nvfp4', True)}); for MoE "
                           "weights with BF16 experts use +head=bf16_moe quant=bf16")
     if cfg.levers.kv_exact and cfg.kv.dtype != "fp8":
         raise ConfigError("levers.kv_exact", True, f"per-token KV scales need kv=fp8 (this run: kv={cfg.kv.dtype})",
-                          f"add kv=fp8, or drop the lever{_from_env('MTPF_KV_EXACT')}")
+                          f"add kv=fp8, or drop the lever{_from_env('kv_exact', True)}")
     _check_ffn_component(cfg, form)
     lacking = [f for f in FFN_FIELDS[form] if m.get(f) is None]
     if lacking:
@@ -163,7 +163,8 @@ def check_config(cfg: DictConfig, form: str) -> None:
     if r.main_kv_blocks < 0:
         raise ConfigError("runtime.main_kv_blocks", r.main_kv_blocks, "must be >= 0", "use 0 (no cap)")
     if cfg.levers.mtp_vocab_size < 0:
-        raise ConfigError("levers.mtp_vocab_size", cfg.levers.mtp_vocab_size, "must be >= 0", "use 0 (the full vocab)")
+        raise ConfigError("levers.mtp_vocab_size", cfg.levers.mtp_vocab_size, "must be >= 0",
+                          f"use 0 (the full vocab){_from_env('mtp_vocab_size', cfg.levers.mtp_vocab_size)}")
     kv_dtype(cfg)
     runtime_dtype(cfg)
     ops.check_backend(r.backend)
@@ -178,10 +179,15 @@ def check_config(cfg: DictConfig, form: str) -> None:
                                   f"set {key}={MAX_M}, or use runtime.backend=auto (the reference serves more rows)")
 
 
-def _from_env(variable: str) -> str:
-    """", or unset VAR='1'" where a switch lever was turned on from the environment, else ""."""
-    env = os.environ.get(variable, "")
-    return f", or unset {variable}={env!r}" if env.strip().lower() in SWITCHED_ON else ""
+def _from_env(lever: str, value: object) -> str:
+    """", or unset MTPF_LEVER='...' if ...": where the lever's variable reads as its `value`, the value may have
+    come from it (the command line wins over it, DESIGN 6, and the resolved config no longer tells which set it)."""
+    variable = f"MTPF_{lever.upper()}"
+    env = os.environ.get(variable)
+    if env is None:
+        return ""
+    reads = env.strip().lower() in SWITCHED_ON if isinstance(value, bool) else env.strip() == str(value)
+    return f", or unset {variable}={env!r} if the command line does not set levers.{lever}" if reads else ""
 
 
 def _check_ffn_component(cfg: DictConfig, form: str) -> None:
