@@ -153,7 +153,9 @@ class DraftHead(nn.Module):
         plist = positions.tolist()
         if min(plist) < 0:
             raise InputError("positions", min(plist), "must be >= 0", "pass absolute positions")
-        return tokens.to(self.device), hidden, positions.to(self.device, torch.int64), plist
+        # hidden contiguous: a column slice of the caller's wider buffer is normal, and the Triton providers (the
+        # first norm's) take contiguous rows only; a no-op for contiguous hidden
+        return tokens.to(self.device), hidden.contiguous(), positions.to(self.device, torch.int64), plist
 
 
 def _int_rows(name: str, value, fix: str, batch: int | None = None) -> torch.Tensor:

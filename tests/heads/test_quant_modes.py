@@ -62,6 +62,21 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def test_hidden_sliced_from_a_wider_buffer_runs_under_backend_triton():
+    """A column slice of the caller's wider buffer (strides (H + 8, 1)): the first norm's Triton provider takes
+    contiguous rows, and the head passes them so; equal, bit for bit, to the contiguous hidden's run. It was
+    refused ("op rms_norm has no triton provider")."""
+    head = build("dense", "runtime.dtype=float32", "runtime.backend=triton")
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, head.vocab_size, (2,), generator=g)
+    wide = torch.randn(2, head.hidden_size + 8, generator=g)
+    hidden = wide[:, 4:4 + head.hidden_size]
+    got = head.step(torch.arange(2), tokens, hidden, torch.zeros(2, dtype=torch.int64))
+    head = build("dense", "runtime.dtype=float32", "runtime.backend=triton")
+    want = head.step(torch.arange(2), tokens, hidden.contiguous(), torch.zeros(2, dtype=torch.int64))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("case", list(QUANTIZED))
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
 def test_quantized_head_equals_unquantized_head_on_its_dequantized_weights(case, dtype, tol):
