@@ -24,7 +24,8 @@ class GatedGQAAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, rope_theta), persistent=False)
+        # on the cache's device: the Triton RoPE reads it there (on the CPU, `auto` ran the reference every call)
+        self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, rope_theta).to(cache.k.device), persistent=False)
         self.scale = head_dim ** -0.5
         self.cache = cache
 
