@@ -332,7 +332,7 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     says no to the same calls), or None: q a bf16, fp16 or fp32 [B, q_heads, D], D <= 512, B < 2^31 (the
     grid); k_cache a bf16, fp16, fp32 or float8_e4m3fn [blocks, block_size, kv_heads, D], kv_heads >= 1 dividing
     q_heads, at most 65535 (the grid), a group's [q_heads / kv_heads, D] tile (padded to powers of two >= 16)
-    of at most 2^20 elements, and of at most 32 q heads unless q or the cache is fp32; FP8 only on the CPU or
+    of at most 2^20 elements, and of at most 32 q heads at D past 256 (64 on FP8) unless q or the cache is fp32; FP8 only on the CPU or
     sm_89 and later (which convert E4M3); v_cache of k_cache's shape and dtype; gate None or bf16, fp16 or fp32
     of q's shape; k_scale, v_scale None or float32 [blocks, block_size, kv_heads]; block_tables an int32 or int64
     [B, max_blocks] of at most 2^30 tokens (max_blocks x block_size); context_lens an int32 or int64 [B]; any
@@ -357,17 +357,19 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                           f"{_MAX_BLOCK} elements (q {list(q.shape)})",
                           "call the op (`paged_decode_attention`) under runtime.backend=auto: it runs the reference "
                           "for others")
-    # Groups of 33 q heads or more (G_PAD >= 64) on a 16-bit or FP8 cache gave wrong results on an H100 (2026-12-05,
-    # 64 bf16 q heads a KV head, D 512: 91% of the outputs off); fp32 q and cache there ran right. Compiled for
-    # sm_90, G_PAD 64 is where the dots turn from mma.sync (HMMA, G_PAD 16 and 32) to wgmma (HGMMA: 64x16x8 and
-    # 64x256x8 TF32 here, 64x16x16 and 64x256x16 with fast_dot), while fp32's "ieee" dots are FMAs. Until a GPU
-    # run shows which wgmma path is wrong, such groups run the reference.
-    if g_pad >= 64 and torch.float32 not in (q.dtype, k_cache.dtype):
-        return InputError("q", f"{q.dtype} {list(q.shape)}", f"at most 32 q heads a KV head (here "
-                          f"{hq // hkv}) on a {k_cache.dtype} cache: larger groups gave wrong results on a GPU",
+    # A [64, 512] tile (33-64 q heads a KV head at D 257-512) with the default tf32 dots on a 16-bit or FP8 cache
+    # gave wrong results on an H100 (2026-12-05, Triton 3.6: 48 and 64 bf16 q heads at D 512, the outputs off by
+    # up to 2x the largest; an FP8 cache read out of bounds) at the op's 4 warps. The same tile ran right at 8
+    # warps and with `fast_dot`, as did every tile up to [128, 256] at 4 warps (scripts/probe_attention_groups.py).
+    # Compiled for sm_90 it holds 255 registers a thread and spills 2.3 KB; the dots are wgmmas from G_PAD 64.
+    # Until the cause is known, such groups run the reference, as do FP8 groups past 64 (not yet run on a GPU).
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if g_pad >= 64 and (d_pad >= 512 or fp8 and g_pad > 64) and torch.float32 not in (q.dtype, k_cache.dtype):
+        return InputError("q", f"{q.dtype} {list(q.shape)}", f"at most 32 q heads a KV head at D past 256, and at "
+                          f"most 64 on an FP8 cache (here {hq // hkv} at D {d} on a {k_cache.dtype} cache): "
+                          "larger tiles gave wrong results on a GPU, or have not run on one",
                           "call the op (`paged_decode_attention`) under runtime.backend=auto: it runs the reference "
                           "for them")
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8 and q.is_cuda and (cap := torch.cuda.get_device_capability(q.device)) < (8, 9):
         return InputError("k_cache", f"float8_e4m3fn on {q.device}, capability {cap}",
                           "FP8 caches need sm_89 or later (the kernel converts E4M3)",

@@ -64,8 +64,9 @@ def test_gpu_paged_attention_at_its_largest_tiles_runs_or_falls_back(hq, dtype, 
     """Large tiles the op takes (64 or 128 q heads on one KV head, D 512) at its default tile. Compiled for
     sm_90: 64 fp32 heads need 196 KiB of shared memory, under the 227 KB a block, and run; 128 need more, so
     the GPU cannot load the kernel and `auto` runs the reference, warning once. 64 bf16 heads (192 KiB) gave
-    wrong results on an H100 (2026-12-05): the provider now refuses groups past 32 on a 16-bit or FP8 cache,
-    and `auto` runs the reference for them, silently. Every way the call gives the reference's result."""
+    wrong results on an H100 (2026-12-05): the provider refuses groups past 32 at D past 256 on a 16-bit or FP8
+    cache, and `auto` runs the reference for them, silently (passed on an H100, 2026-12-05). Every way the call
+    gives the reference's result."""
     monkeypatch.setattr(ops, "_warned", set())
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, hkv, d, bs, ctx = 2, 1, 512, 16, 300
