@@ -7,10 +7,13 @@ over a context with its default splits, the fused MoE over 512 experts, x's pass
 
 Two sequences are prefilled (300 and 37 rows, in chunks of 32: under runtime.backend=triton a prefill chunk is
 one call of each projection, and the Triton linears take up to 32 rows), then stepped together three times,
-the tokens and hidden rows drawn from a seed. Tolerance: bf16 runs, so both paths round every activation to
-bf16, in different places (fused kernels keep fp32 where the references round): the logits' relative error
-(Frobenius) under 2e-2, as the CPU tests allow bf16 (measured there ~5e-3 to 8e-3). (Not the argmax tokens:
-over 150k-250k logits of random weights the top two lie closer than the bf16 roundings.)
+the tokens and hidden rows drawn from a seed. The oracle is the native path in float32; both bf16 paths round
+every activation to bf16, in different places (fused kernels keep fp32 where the references round). The
+logits' relative error (Frobenius) against it: the Triton path's under 2e-2, as the CPU tests allow bf16
+(measured on an H100, 2026-12-05: 4.7e-3 to 5.9e-3), the native path's under 4e-2: its bf16 MoE over 512
+experts measured 2.4e-2 (5.2e-3 to 5.9e-3 elsewhere), which failed the first form of this test, the Triton
+path against the native one. (Not the argmax tokens: over 150k-250k logits of random weights the top two lie
+closer than the bf16 roundings.)
 """
 
 from __future__ import annotations
@@ -70,13 +73,13 @@ def test_gpu_head_at_real_size_triton_path_equals_native_path(case):
     head, model, overrides = CASES[case]
     weights = _weights(head, model)
     runs = {}
-    for backend in ("native", "triton"):
+    for name, extra in (("fp32", ("runtime.backend=native", "runtime.dtype=float32")),
+                        ("native", ("runtime.backend=native",)), ("triton", ("runtime.backend=triton",))):
         built = mtpfactory.build_head(mtpfactory.compose(f"+head={head}", f"model={model}", *GPU, *overrides,
-                                                         f"runtime.backend={backend}"), weights)
-        runs[backend] = _drive(built)
+                                                         *extra), weights)
+        runs[name] = _drive(built)
         del built
         torch.cuda.empty_cache()
-    native, triton = runs["native"], runs["triton"]
-    assert native.isfinite().all() and triton.isfinite().all()
-    err = ((triton - native).norm() / native.norm()).item()
-    assert err < 2e-2, err
+    assert all(r.isfinite().all() for r in runs.values())
+    rel = {name: ((runs[name] - runs["fp32"]).norm() / runs["fp32"].norm()).item() for name in ("native", "triton")}
+    assert rel["triton"] < 2e-2 and rel["native"] < 4e-2, rel
