@@ -77,6 +77,9 @@ def test_gpu_head_at_real_size_triton_path_equals_native_path(case):
                         ("native", ("runtime.backend=native",)), ("triton", ("runtime.backend=triton",))):
         built = mtpfactory.build_head(mtpfactory.compose(f"+head={head}", f"model={model}", *GPU, *overrides,
                                                          *extra), weights)
+        # every tensor the head holds on the GPU: RoPE's inv_freq stayed on the CPU once, and auto ran the RoPE
+        # reference on every call (backend=triton refused it)
+        assert {t.device.type for t in (*built.parameters(), *built.buffers())} == {"cuda"}
         runs[name] = _drive(built)
         del built
         torch.cuda.empty_cache()
