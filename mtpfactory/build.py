@@ -84,4 +84,3 @@ def allocated(make: Callable[[], T], field: str, value: object, nbytes: int, dev
     except RuntimeError as e:  # torch's allocators: CPU and CUDA out of memory, a size past int64
         raise ConfigError(field, value, f"sizes {nbytes / 2**30:.3g} GiB, which {device} cannot allocate "
                           f"({str(e).splitlines()[0][:200]})", fix) from None
-

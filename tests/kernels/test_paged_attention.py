@@ -380,7 +380,8 @@ BAD = {
         r"at most 32 q heads a KV head at D past 256, .*\(here 33 at D 300 on a torch.bfloat16 cache\)"),
     "q group of 65 on an FP8 cache": (
         lambda: [t.to(torch.float8_e4m3fn) if i in (1, 2) else t.bfloat16() if i == 0 else t
-                 for i, t in enumerate(_heads(65, 1, 16))], "q", r"and at most 64 on an FP8 cache \(here 65 at D 16 on a torch.float8_e4m3fn"),
+                 for i, t in enumerate(_heads(65, 1, 16))], "q",
+        r"and at most 64 on an FP8 cache \(here 65 at D 16 on a torch.float8_e4m3fn"),
     "q B past the grid": (_huge_batch, "q", "B <= 2147483647"),
     "k_cache of other D": (_with(k_cache=lambda a: a["k_cache"][..., :8]), "k_cache", "of q's head_dim D = 16"),
     "k_cache of no KV heads": (_with(k_cache=lambda a: a["k_cache"][:, :, :0]), "k_cache", "kv_heads >= 1"),
