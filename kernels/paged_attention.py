@@ -334,9 +334,10 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     q_heads, at most 65535 (the grid), a group's [q_heads / kv_heads, D] tile (padded to powers of two >= 16)
     of at most 2^20 elements, and of at most 32 q heads at D past 256 (64 on FP8) unless q or the cache is fp32;
     FP8 only on the CPU or sm_89 and later (which convert E4M3); v_cache of k_cache's shape and dtype; gate None
-    or bf16, fp16 or fp32 of q's shape; k_scale, v_scale None or float32 [blocks, block_size, kv_heads]; block_tables an int32 or int64
-    [B, max_blocks] of at most 2^30 tokens (max_blocks x block_size); context_lens an int32 or int64 [B]; any
-    strides; all on q's device; scale a Python number. `out` is checked where it is written (`check_out`)."""
+    or bf16, fp16 or fp32 of q's shape; k_scale, v_scale None or float32 [blocks, block_size, kv_heads];
+    block_tables an int32 or int64 [B, max_blocks] of at most 2^30 tokens (max_blocks x block_size); context_lens
+    an int32 or int64 [B]; any strides; all on q's device; scale a Python number. `out` is checked where it is
+    written (`check_out`)."""
     if err := _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale):
         return err
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
