@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from mtpfactory.cli import _check_args
+import mtpfactory
+from mtpfactory.cli import _check_args, _demo
 
 
 def cli(*args, cwd):
@@ -105,3 +106,18 @@ def test_a_head_sweep_takes_an_override_of_the_heads_fields(tmp_path):
     assert run.returncode == 0, run.stderr
     table = run.stdout[run.stdout.index("run "):].splitlines()
     assert len(table) == 2 + 2 and "Traceback" not in run.stderr
+
+
+def test_the_demo_times_its_prefill_after_a_warm_up_of_the_same_calls(monkeypatch):
+    """The first calls compile (the Triton kernels) and would be timed as prefill: each prompt is prefilled once,
+    freed, then prefilled again under the clock; the KV blocks in use are one prefill's."""
+    cfg = mtpfactory.compose("+head=dense", "runtime.device=cpu", "demo.sequences=2")
+    head = mtpfactory.build_head(cfg)
+    calls = []
+    for name in ("prefill", "free"):
+        method = getattr(head, name)
+        monkeypatch.setattr(head, name, lambda s, *a, _m=method, _n=name: (calls.append((_n, s)), _m(s, *a))[1])
+    row = _demo(cfg, head)
+    assert calls == [("prefill", 0), ("prefill", 1), ("free", 0), ("free", 1), ("prefill", 0), ("prefill", 1)]
+    # prompts of 40 and 47 rows, 4 drafts each, blocks of 16: 3 + 4 blocks
+    assert row["KV blocks"].startswith(f"{head.cache.blocks_in_use}/") and head.cache.blocks_in_use == 3 + 4
