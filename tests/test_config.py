@@ -38,7 +38,7 @@ def test_malformed_environment_value_names_the_variable(monkeypatch):
         mtpfactory.compose("+head=dense")
 
 
-@pytest.mark.parametrize("value", ["2", "-1", "ye", "tru"])
+@pytest.mark.parametrize("value", ["2", "-1", "ye", "tru", " on "])
 def test_a_switch_lever_refuses_values_that_are_not_switch_words(monkeypatch, value):
     monkeypatch.setenv("MTPF_KV_EXACT", value)
     with pytest.raises(ConfigError, match="MTPF_KV_EXACT"):

@@ -110,7 +110,7 @@ def resolve(cfg: DictConfig) -> None:
         value = os.environ.get(var)
         from_env = value is not None and f"oc.env:{var}" in str(raw[name])
         # OmegaConf reads any integer as a bool (2 -> true): a typo should fail, not switch a lever on
-        if from_env and kind in (bool, "bool") and value.strip().lower() not in BOOL_WORDS:
+        if from_env and kind in (bool, "bool") and value.lower() not in BOOL_WORDS:
             raise ConfigError(var, value, f"levers.{name} is a switch: {', '.join(BOOL_WORDS)}",
                               f"set {var}=1 or {var}=0, or unset it")
         try:
