@@ -19,7 +19,7 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels import argmax
 
 
-INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint64, torch.uint32, torch.uint16, torch.uint8)
 
 
 @dataclass
