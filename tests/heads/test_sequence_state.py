@@ -428,7 +428,8 @@ def test_batched_propose(head):
 
 
 # --- integer dtypes and malformed arguments ----------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.uint16, torch.uint32, torch.uint64])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.uint16, torch.uint32,
+                                   torch.uint64])
 def test_small_integer_tokens_and_positions_mean_what_int64_does(head, ref, dtype):
     """Ids and positions of any accepted integer dtype are widened before any arithmetic: a propose from
     position 125 drafts to 129 (an int8 position wrapped at 127), and a uint8 id is not compared with the
