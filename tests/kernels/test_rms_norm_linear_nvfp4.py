@@ -119,8 +119,9 @@ def test_fused_matches_reference_and_the_two_providers(m, lm_head, residual, mon
     """On an LM head's plans (every weight counted as one) the norm makes x's pass for the GEMV at M = 1 and 3
     and for the fp16 dot at M = 17 (K = 208 in the plan's slices); on a small weight's plans no call runs a
     pass. The norm equals the reference's within test_rms_norm.py's bound (one 16-bit ulp, in at most 1% of
-    the elements), the sum exactly, the logits the reference's within the fp16-sum bound on the provider's
-    own norm; and everything equals rms_norm_triton then linear_nvfp4_triton bit for bit."""
+    the elements), the sum exactly, the logits within the fp16-sum bound of the provider's own norm through
+    the dequantized weight, the reference's within the fp32-sum bound of its own norm's; and everything equals
+    rms_norm_triton then linear_nvfp4_triton bit for bit."""
     if lm_head:
         monkeypatch.setattr(linear_nvfp4_module, "LM_HEAD_MIN_ELEMENTS", 0)
     x, norm_w, w, res = _inputs(m, 33, 208, m, residual)
@@ -143,6 +144,8 @@ def test_fused_matches_reference_and_the_two_providers(m, lm_head, residual, mon
     wd = dequantize_nvfp4(*w)
     assert_matches(got[0], (got[1].float() @ wd.T).to(torch.bfloat16), got[1].float().abs() @ wd.abs().T,
                    sum_rtol=F16_SUM_RTOL)
+    # and the reference's logits are its own norm's through the dequantized weight (fp32 sums)
+    assert_matches(want[0], (want[1].float() @ wd.T).to(torch.bfloat16), want[1].float().abs() @ wd.abs().T)
 
 
 def test_dispatch_and_refusal():
