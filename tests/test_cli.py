@@ -74,10 +74,13 @@ def test_a_single_refused_run_says_why_and_exits_1(tmp_path):
     (["+head=dense", "quant=glob(*)", "levers.kv_exact=true,off", "runtime.max_seqs=range(1,3)"], None),
     (["+head=dense", "levers.kv_exact=0,2"], "levers.kv_exact='2': a switch: 1, 0, true, false"),
     (["+head=dense", "+levers.drafter_prefill=-1"], "levers.drafter_prefill='-1': a switch"),
+    (["+head=dense", "runtime.max_seqs=4,abc"], "runtime.max_seqs='abc': not a value of the field's type, int"),
+    (["+head=dense", "model.num_experts=null", "weights.path=null", "model.rope_theta=1e7,1e6"], None),
 ])
 def test_every_sweep_value_of_a_group_or_switch_is_checked_before_hydra_runs(args, bad, capsys):
-    """A head, a group option or a switch's word that no run could take refuses the command at once (exit
-    status 2, the usage and the refusal), not Hydra's traceback after the runs before it."""
+    """A head, a group option, a switch's word or a value of the wrong type that no run could take refuses the
+    command at once (exit status 2, the usage and the refusal), not Hydra's traceback after the runs before
+    it."""
     if bad is None:
         _check_args(["-m", *args])
         return

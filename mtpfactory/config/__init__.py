@@ -11,7 +11,7 @@ import typing
 from hydra import compose as _hydra_compose
 from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, ValidationError
 
 from mtpfactory.config import schema  # noqa: F401  (stores the schemas)
 from mtpfactory.errors import ConfigError, UnknownNameError
@@ -38,8 +38,9 @@ SWITCHES = tuple(f for f in LEVERS if schema.LeversConfig.__dataclass_fields__[f
 
 def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
     """Refuse, before Hydra composes: an unknown option of a group (`+head=NAME`, `kv=NAME`, ...), whose Hydra
-    message lists files and search paths, not the options and a "did you mean"; and a switch lever set to a
-    word outside BOOL_WORDS, which OmegaConf would read as a bool (`levers.kv_exact=2` switches it on)."""
+    message lists files and search paths, not the options and a "did you mean"; a switch lever set to a word
+    outside BOOL_WORDS, which OmegaConf would read as a bool (`levers.kv_exact=2` switches it on); and a field
+    set to a value its type cannot hold (`runtime.max_seqs=abc`), which Hydra reports with a traceback."""
     for o in overrides:
         key, eq, value = o.partition("=")
         key = key.lstrip("+~")
@@ -47,6 +48,26 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
             raise UnknownNameError(key, value, options(key))
         if eq and key.removeprefix("levers.") in SWITCHES and value.strip().lower() not in BOOL_WORDS:
             raise ConfigError(key, value, f"a switch: {', '.join(BOOL_WORDS)}", f"set {key}=true or {key}=false")
+        if eq and (err := _type_refusal(key, value)):
+            raise err
+
+
+def _type_refusal(key: str, value: str) -> ConfigError | None:
+    """Why `section.field=value` cannot be held by the field's schema type, or None (also for keys the schema
+    lacks, which `check_keys` refuses, and for interpolations and quoted strings, which Hydra reads itself)."""
+    section, _, name = key.partition(".")
+    kind = typing.get_type_hints(schema.Config).get(section)
+    types = typing.get_type_hints(kind) if kind is not None else {}
+    if name not in types or "${" in value or value[:1] in ("'", '"'):
+        return None
+    try:
+        setattr(OmegaConf.structured(kind), name, None if value == "null" else value)
+    except ValidationError:
+        t = types[name]
+        shown = t.__name__ if isinstance(t, type) else str(t).replace("typing.", "")
+        return ConfigError(key, value, f"not a value of the field's type, {shown}",
+                           f"give {key} a value of type {shown}")
+    return None
 
 
 def _sections() -> dict[str, tuple[str, ...]]:
