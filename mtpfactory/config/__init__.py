@@ -33,6 +33,7 @@ def list_heads() -> list[str]:
 
 
 BOOL_WORDS = ("1", "0", "true", "false", "yes", "no", "on", "off")
+SECTIONS = typing.get_type_hints(schema.Config)  # the config's sections: name -> schema dataclass
 SWITCHES = tuple(f for f in LEVERS if schema.LeversConfig.__dataclass_fields__[f].type in (bool, "bool"))
 
 
@@ -56,7 +57,7 @@ def _type_refusal(key: str, value: str) -> ConfigError | None:
     """Why `section.field=value` cannot be held by the field's schema type, or None (also for keys the schema
     lacks, which `check_keys` refuses, and for interpolations and quoted strings, which Hydra reads itself)."""
     section, _, name = key.partition(".")
-    kind = typing.get_type_hints(schema.Config).get(section)
+    kind = SECTIONS.get(section)
     types = typing.get_type_hints(kind) if kind is not None else {}
     if name not in types or "${" in value or value[:1] in ("'", '"'):
         return None
@@ -70,21 +71,16 @@ def _type_refusal(key: str, value: str) -> ConfigError | None:
     return None
 
 
-def _sections() -> dict[str, tuple[str, ...]]:
-    """The config's sections and each one's keys, from the schema."""
-    return {name: tuple(f.name for f in dataclasses.fields(kind))
-            for name, kind in typing.get_type_hints(schema.Config).items()}
 
 
 def check_keys(cfg: DictConfig) -> None:
     """Refuse a key the schema lacks. Hydra appends any `+key=value` as written, so a typo (`+quantt=fp8`,
     `+levers.kv_exct=true`) would run as if absent; and a `_target_` would sit unread, since components are
     chosen by registry name, never by a target (DESIGN 5)."""
-    sections = _sections()
     for section, node in OmegaConf.to_container(cfg, resolve=False).items():
-        keys = sections.get(section)
-        if keys is None:
-            raise _unknown_key(section, node, sections)
+        if section not in SECTIONS:
+            raise _unknown_key(section, node, SECTIONS)
+        keys = [f.name for f in dataclasses.fields(SECTIONS[section])]
         for key, value in node.items():
             if key not in keys:
                 raise _unknown_key(f"{section}.{key}", value, keys)
