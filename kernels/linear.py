@@ -534,7 +534,7 @@ def _linear_launch(x: torch.Tensor, weight: torch.Tensor, split_k: bool, out: to
     out = ops.out_or_empty(out, (m, n), x.dtype, x.device)
     if m == 0 or n == 0:
         return out
-    if not int32_reach(out) and m * n < 2**31:    # the kernels index out in int32: write a contiguous one, copy
+    if not int32_reach(out):    # the kernels index out in int32 (fewer than 2^31 elements): a contiguous one, copied
         return out.copy_(_linear_launch(x, weight, split_k, None, plan, weight_scale))
     if not int32_reach(x):                        # and x
         x = x.contiguous()
@@ -597,6 +597,19 @@ def x_refusal(x: torch.Tensor, op: str) -> InputError | None:
     return None
 
 
+def reach_refusal(m: int, n: int, k: int, op: str) -> InputError | None:
+    """Why the `op` kernels cannot index this call's x [M, K] and out [M, N], or None: they index both in int32
+    (a strided one is first made contiguous), so each holds fewer than 2^31 elements. The weight's rows are
+    int64 offsets: a weight of any size is read."""
+    for name, size, dim in (("out", m * n, f"N = {n}"), ("x", m * k, f"K = {k}")):
+        if size >= 2**31:
+            return InputError(name, f"[{m}, {size // m}] ({size} elements, {dim})",
+                              f"fewer than 2^31 elements: the {op} kernels index {name} in int32",
+                              f"split the weight's {'rows' if name == 'out' else 'K'} across calls, or call the op "
+                              f"(`{op}`) under runtime.backend=auto: it runs the reference")
+    return None
+
+
 def operand_refusal(x: torch.Tensor, weight: torch.Tensor,
                     weight_scale: torch.Tensor | None = None) -> InputError | WeightsError | None:
     """Why `linear_triton` cannot take these operands, as the error it raises (the predicates of `linear` and
@@ -612,6 +625,8 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor,
         return WeightsError("weight", f"{weight.dtype} {tuple(weight.shape)}, strides {weight.stride()}",
                             f"a {want} [N, K = {k}] tensor (x is {x.dtype} [{m}, {k}]) with unit stride along K",
                             f"pass a {want} weight of K = {k} with unit stride along K (weight.contiguous())")
+    if err := reach_refusal(m, weight.shape[0], k, "linear_fp8" if scaled else "linear"):
+        return err
     if scaled and (weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (weight.shape[0],)
                    or not weight_scale.is_contiguous()):
         return WeightsError("weight_scale", f"{weight_scale.dtype} {tuple(weight_scale.shape)}",

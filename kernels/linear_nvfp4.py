@@ -75,6 +75,7 @@ from mtpfactory.kernels.linear import (
     partial_buffer,
     plan_for,
     plan_shape_refusal,
+    reach_refusal,
     splitk_reduce,
     store_tile,
     tma_layout_refusal,
@@ -1153,6 +1154,8 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if k % NVFP4_BLOCK:
         return WeightsError("weight", f"K = {k}", "NVFP4 takes K a multiple of 16",
                             "keep this tensor unquantized or pad K")
+    if err := reach_refusal(m, n, k, "linear_nvfp4"):
+        return err
     if k:                                                            # K = 0 reads nothing: any layout
         if weight.stride(1) != 1:
             return WeightsError("weight", f"strides {weight.stride()}", "unit stride along K",
@@ -1253,7 +1256,7 @@ def _run_planned(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         return out
     if k == 0:
         return out.zero_()
-    if not int32_reach(out) and m * n < 2**31:   # the kernels index out in int32: write a contiguous one, copy
+    if not int32_reach(out):   # the kernels index out in int32 (fewer than 2^31 elements): a contiguous one, copied
         return out.copy_(_run_planned(x, weight, weight_scale, weight_scale_2, None, plan, x_pairs))
     words = weight.view(torch.int32)                                 # [N, K/8]: 8 codes a word
     scale_bits = weight_scale.view(torch.uint8)                      # [N, K/16] E4M3 bit patterns

@@ -218,6 +218,25 @@ def test_operands_the_kernels_cannot_take_are_refused_by_the_provider_as_by_the_
         assert bool((out == 7.0).all()), match
 
 
+def test_calls_whose_x_or_out_int32_cannot_index_are_refused():
+    """The kernels index x and out in int32: an out of 2^31 elements (32 rows of a weight of 2^26 rows) and an
+    x of 2^31 (32 rows of K = 2^26) are refused by the predicate and the provider, naming the tensor and the
+    fix, before anything is allocated or launched (the provider launched them: offsets past 2^31 wrap). The
+    weights are expanded or only reserved, never touched."""
+    wide = torch.ones(1, 16).expand(2**26, 16)                         # N = 2^26 rows, one row's memory
+    long_x = torch.empty(1, 2**26, dtype=torch.bfloat16).expand(32, 2**26)
+    for x, w, match in ((torch.ones(32, 16), wide, r"^out='\[32, 67108864\] \(2147483648 elements, N = 67108864\)': "
+                         r"fewer than 2\^31 elements: the linear kernels index out in int32.*split the weight's rows"),
+                        (long_x, long_x[:1], r"^x='\[32, 67108864\] \(2147483648 elements, K = 67108864\)'.*"
+                         r"index x in int32.*split the weight's K")):
+        with ops.use_backend("triton"):
+            assert not linear.providers["triton"].supports(x, w)
+        with pytest.raises(InputError, match=match):
+            linear_triton(x, w)
+    with ops.use_backend("triton"):                                     # one row fewer: taken
+        assert linear.providers["triton"].supports(torch.ones(31, 16), wide)
+
+
 def test_a_weight_with_rows_apart_is_taken():
     """A weight that is a column slice of a wider tensor (unit stride along K, rows 24 apart): the kernels step
     between rows by its stride, so the predicate takes it and the result is the reference's."""

@@ -349,6 +349,20 @@ def test_operands_are_refused_by_the_provider_as_by_its_predicate():
         assert out.isnan().all(), name
 
 
+def test_an_out_int32_cannot_index_is_refused():
+    """The kernels index out in int32: 32 rows of a weight of 2^26 rows (an out of 2^31 elements) are refused by
+    the predicate and the provider, naming out, before anything is allocated or launched; 31 rows are taken.
+    The weight is expanded: one row's memory."""
+    x, weight, scale, scale_2 = nvfp4_inputs(32, 1, 16, torch.bfloat16)
+    weight, scale = weight.expand(2**26, 8), scale.expand(2**26, 1)
+    with ops.use_backend("triton"):
+        assert not linear_nvfp4.providers["triton"].supports(x, weight, scale, scale_2)
+        assert linear_nvfp4.providers["triton"].supports(x[:31], weight, scale, scale_2)
+    with pytest.raises(InputError, match=r"^out='\[32, 67108864\] \(2147483648 elements, N = 67108864\)': fewer "
+                       r"than 2\^31 elements: the linear_nvfp4 kernels index out in int32"):
+        linear_nvfp4_triton(x, weight, scale, scale_2)
+
+
 @pytest.mark.parametrize("m", [1, 3, 20])
 def test_k_zero_is_zeros_on_both_providers(m):
     """K = 0: the reference's zeros from the provider too, which its predicate accepts (a contiguous [N, 0]
