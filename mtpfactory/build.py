@@ -62,9 +62,15 @@ def runtime_device(cfg: DictConfig) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ConfigError("runtime.device", cfg.runtime.device, "the heads run on the CPU or a CUDA GPU",
                           "use auto, cpu, cuda or cuda:N")
+    if device.type == "cpu" and device.index not in (None, 0):     # torch takes cpu:N and ignores N
+        raise ConfigError("runtime.device", cfg.runtime.device, "the CPU takes no device index",
+                          "use runtime.device=cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("runtime.device", cfg.runtime.device, "no CUDA device is available here",
                           "use runtime.device=cpu or auto")
+    if device.type == "cuda" and device.index is not None and device.index >= (count := torch.cuda.device_count()):
+        raise ConfigError("runtime.device", cfg.runtime.device, f"a GPU index in [0, {count}): this machine has {count}",
+                          f"use runtime.device=cuda:0{f' to cuda:{count - 1}' if count > 1 else ''} or cuda")
     return device
 
 

@@ -182,6 +182,7 @@ def test_model_dimensions_that_cannot_build_a_head_are_refused_by_name(head, ove
     ("runtime.dtype=float8", "runtime.dtype='float8'"),
     ("runtime.backend=cuda_graphs", "runtime.backend='cuda_graphs'"),
     ("runtime.device=tpu9", "runtime.device='tpu9'"),
+    ("runtime.device=cpu:1", "runtime.device='cpu:1': the CPU takes no device index"),
     ("runtime.prefill_chunk=0", "runtime.prefill_chunk=0"),
     ("runtime.max_seq_len=9000", "runtime.max_seq_len=9000"),
     ("runtime.main_kv_blocks=-1", "runtime.main_kv_blocks=-1: must be >= 0"),
@@ -194,6 +195,16 @@ def test_runtime_values(override, in_message):
         mtpfactory.build_head(cfg)
     else:
         refused(ConfigError, lambda: mtpfactory.build_head(cfg), in_message)
+
+
+def test_a_gpu_index_past_the_machines_gpus_is_refused(monkeypatch):
+    """cuda:N past the GPUs there are is refused at build, naming how many (torch's own error came at the first
+    allocation: "invalid device ordinal")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = mtpfactory.compose("+head=dense", *CPU, "runtime.device=cuda:2")
+    refused(ConfigError, lambda: mtpfactory.build_head(cfg), "runtime.device='cuda:2': a GPU index in [0, 2)",
+            "cuda:0 to cuda:1")
 
 
 @pytest.mark.parametrize("var, bad", [("MTPF_DRAFTER_PREFILL", "maybe"), ("MTPF_DRAFTER_PREFILL", "1.5"),
