@@ -279,12 +279,23 @@ def _paged_decode_reduce_kernel(
 
 
 def _default_splits(q: torch.Tensor, programs: int, max_tokens: int, block_n: int) -> int:
-    """Enough splits to give every SM about two programs, each split at least 256 tokens long."""
+    """Enough splits to give every SM about two programs, each split at least 128 tokens long (one sequence of
+    4096 tokens on an H100: 32 splits 19.5 us, 16 splits of 256 tokens 25.4; 2026-12-05, BENCHMARKS.md)."""
     if not q.is_cuda:
         return 1
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     want = -(-2 * sms // programs)
-    return max(1, min(want, max_tokens // max(256, block_n), 64))
+    return max(1, min(want, max_tokens // max(128, block_n), 64))
+
+
+def _tuning_defaults(k_cache: torch.Tensor, fast_dot: bool | None, num_stages: int | None) -> tuple[bool, int]:
+    """fast_dot and num_stages where the caller left them None. An FP8 cache: fp16 dots (tf32's numerics, see
+    `_dot_dtype`) and one stage (its tiles converted as they come; a ring of 3 held fewer programs an SM: at 32
+    sequences 89.8 against 117.1 us); a 16-bit or fp32 cache: fp32 dots, Triton's 3 stages (H100 sweep,
+    2026-12-05, BENCHMARKS.md)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    return (fp8 if fast_dot is None else fast_dot,
+            (1 if fp8 else _TRITON_STAGES) if num_stages is None else num_stages)
 
 
 def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, fast_dot: bool) -> tl.dtype:
@@ -303,12 +314,14 @@ def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, fast_dot: bool) -> tl.dty
 
 
 _MAX_BLOCK = tl.TRITON_MAX_TENSOR_NUMEL    # the most elements of one tile
+_BLOCK_N = 32                               # tokens a tile by default (H100 sweep, 2026-12-05: 16 was 1.2-1.4x slower)
 _MAX_SEQS = 2**31 - 1                      # grid axis 0 (sequences)
 _MAX_PROGRAMS = 65535                      # grid axes 1 (KV heads) and 2 (context splits)
 _MAX_D = 512
 _MAX_TOKENS = 2**30                        # a block table's tokens: positions and split ends stay in int32
 _WARPS = (1, 2, 4, 8, 16, 32)
 _MAX_STAGES = 8
+_TRITON_STAGES = 3                          # Triton's default num_stages on NVIDIA GPUs
 _REDUCE_BLOCK_D = 32                       # a reduce program's dims: D 256 gives 8 programs a (sequence, KV head)
 _REDUCE_TILE = 8192                        # a reduce step's [splits, G_PAD, dims] at most: 64 fp32 a thread (4 warps)
 
@@ -351,11 +364,12 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                           "for others")
     hkv = k_cache.shape[2]
     g_pad, d_pad = _pads(q, k_cache)
-    if k_cache.dtype not in _KV_DTYPES or hkv > _MAX_PROGRAMS or g_pad * d_pad > _MAX_BLOCK:
+    if (k_cache.dtype not in _KV_DTYPES or hkv > _MAX_PROGRAMS or g_pad * d_pad > _MAX_BLOCK
+            or _BLOCK_N * g_pad > _MAX_BLOCK):                    # the default tile's scores, [G_PAD, BLOCK_N]
         return InputError("k_cache", f"{k_cache.dtype} {list(k_cache.shape)}",
                           f"a bf16, fp16, fp32 or float8_e4m3fn cache of at most {_MAX_PROGRAMS} KV heads (the grid), "
                           f"each serving a [q_heads / kv_heads, D] group (padded to powers of two >= 16) of at most "
-                          f"{_MAX_BLOCK} elements (q {list(q.shape)})",
+                          f"{_MAX_BLOCK} elements and {_MAX_BLOCK // _BLOCK_N} q heads (q {list(q.shape)})",
                           "call the op (`paged_decode_attention`) under runtime.backend=auto: it runs the reference "
                           "for others")
     # A [64, 512] tile (33-64 q heads a KV head at D 257-512) with the default tf32 dots on a 16-bit or FP8 cache
@@ -407,11 +421,11 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None, block_n: int, num_warps: int,
-                   fast_dot: bool, num_stages: int | None = None) -> InputError | None:
+                   fast_dot: bool | None, num_stages: int | None = None) -> InputError | None:
     """Why `paged_decode_attention_triton` cannot launch with these tuning arguments (which the op does not
     take), or None: num_splits None or 1 to 65535 (the grid), its partials under 2^31 elements; block_n a power
     of two >= 16 (tl.dot) whose [block_n, D] and [q_heads / kv_heads, block_n] tiles (padded) hold at most 2^20
-    elements; num_warps 1, 2, 4, 8, 16 or 32; fast_dot a bool; num_stages None or 1 to 8. Asked on operands
+    elements; num_warps 1, 2, 4, 8, 16 or 32; fast_dot None or a bool; num_stages None or 1 to 8. Asked on operands
     `paged_decode_attention_refusal` passed."""
     g_pad, d_pad = _pads(q, k_cache)
     # the splits' partials [B, kv_heads, splits, G_PAD, D_PAD] (fp32) are addressed in int32
@@ -424,14 +438,16 @@ def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | Non
             and block_n * max(g_pad, d_pad) <= _MAX_BLOCK):
         rows = max(g_pad, d_pad)
         return InputError("block_n", block_n, f"a power of two >= 16 (tl.dot), at most {_MAX_BLOCK // rows} here (a "
-                          f"tile of {rows} rows holds at most {_MAX_BLOCK} elements)", "leave block_n=16")
+                          f"tile of {rows} rows holds at most {_MAX_BLOCK} elements)",
+                          f"leave block_n={_BLOCK_N}" if _BLOCK_N <= _MAX_BLOCK // rows else "pass block_n=16")
     if not _whole(num_warps) or num_warps not in _WARPS:
         return InputError("num_warps", num_warps, f"one of {', '.join(map(str, _WARPS))}", "leave num_warps=4")
-    if not isinstance(fast_dot, bool):
-        return InputError("fast_dot", fast_dot, "True or False", "pass fast_dot=True or False")
+    if fast_dot is not None and not isinstance(fast_dot, bool):
+        return InputError("fast_dot", fast_dot, "None (on for an FP8 cache), True or False", "leave fast_dot=None")
     if num_stages is not None and not (_whole(num_stages) and 1 <= num_stages <= _MAX_STAGES):
-        return InputError("num_stages", num_stages, f"None (Triton's default) or 1 to {_MAX_STAGES} (tiles in flight "
-                          "a loop: 1 loads each tile when its turn comes)", "leave num_stages=None")
+        return InputError("num_stages", num_stages, f"None (1 for an FP8 cache, {_TRITON_STAGES} otherwise) or 1 to "
+                          f"{_MAX_STAGES} (tiles in flight a loop: 1 loads each tile when its turn comes)",
+                          "leave num_stages=None")
     return None
 
 
@@ -439,19 +455,20 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                                  num_splits: int | None = None, block_n: int = 16,
-                                  num_warps: int = 4, fast_dot: bool = False,
+                                  num_splits: int | None = None, block_n: int = _BLOCK_N,
+                                  num_warps: int = 4, fast_dot: bool | None = None,
                                   num_stages: int | None = None) -> torch.Tensor:
     """The Triton provider; same arguments as the reference (`out`: written in place and returned, any
     strides), plus `num_splits` (context splits per sequence; None picks from the GPU's size, 1 on the CPU),
     `block_n` (tokens per tile, a power of two >= 16), `num_warps` and `num_stages` (the software pipeline's
-    depth over the context loop; None: Triton's default). Never synchronizes with the host, so
+    depth over the context loop; None: `_tuning_defaults`, 1 for an FP8 cache). Never synchronizes with the host, so
     it cannot refuse what the reference refuses: a context length past the block table is clamped to it, and
     a block id out of range drops its tokens (nothing is read out of bounds).
 
-    The dots' dtype is `_dot_dtype`'s: fp32 by default; with `fast_dot` fp16 for an FP8 cache (tf32's
+    The dots' dtype is `_dot_dtype`'s: fp32 without `fast_dot`; with it fp16 for an FP8 cache (tf32's
     numerics, without converting each value on to fp32) and q's dtype for a 16-bit cache of it, the
-    flash-attention way (p rounded to bf16: less register and shared memory).
+    flash-attention way (p rounded to bf16: less register and shared memory). `fast_dot` None (the default)
+    is on for an FP8 cache only, where it keeps the numerics.
     Operands as `paged_decode_attention_refusal` says, tuning arguments as `tuning_refusal`."""
     if err := (paged_decode_attention_refusal(q, k_cache, v_cache, block_tables, context_lens, scale, gate, k_scale,
                                               v_scale)
@@ -466,8 +483,8 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                                  num_splits: int | None = None, block_n: int = 16,
-                                  num_warps: int = 4, fast_dot: bool = False,
+                                  num_splits: int | None = None, block_n: int = _BLOCK_N,
+                                  num_warps: int = 4, fast_dot: bool | None = None,
                                   num_stages: int | None = None) -> torch.Tensor:
     """`paged_decode_attention_triton` on operands `paged_decode_attention_refusal` (and tuning arguments
     `tuning_refusal`) passed (the op's predicate checked the operands and takes no tuning: one check a call)."""
@@ -478,6 +495,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     out = out_or_empty(out, q.shape, q.dtype, q.device)
     if b == 0:
         return out
+    fast_dot, num_stages = _tuning_defaults(k_cache, fast_dot, num_stages)
     max_tokens = max(1, block_tables.shape[1] * bs)
     splits = num_splits or _default_splits(q, b * hkv, max_tokens, block_n)
     split_len = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
@@ -506,7 +524,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         Q_POW2=dot_dtype == tl.float16 and q.dtype == torch.bfloat16,
         P_POW2=dot_dtype == tl.float16 and v_scale is not None,
         DOT_PRECISION="ieee" if exact else "tf32", num_warps=num_warps,
-        **({} if num_stages is None else dict(num_stages=num_stages)), **consts)
+        num_stages=num_stages, **consts)
     if splits > 1:
         block_d = min(d_pad, _REDUCE_BLOCK_D)
         chunk = max(1, min(triton.next_power_of_2(splits), _REDUCE_TILE // (g_pad * block_d)))

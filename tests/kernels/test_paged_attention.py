@@ -393,6 +393,8 @@ BAD = {
     "k_cache e5m2": (_with(k_cache=lambda a: a["k_cache"].view(torch.float8_e5m2)), "k_cache", "float8_e4m3fn"),
     "k_cache KV heads past the grid": (lambda: _heads(65536, 65536, 16), "k_cache", "at most 65535 KV heads"),
     "k_cache group past a tile": (lambda: _heads(4096, 1, 512), "k_cache", "of at most 1048576 elements"),
+    "k_cache group past the default tile's rows": (lambda: _heads(65536, 1, 16), "k_cache",
+                                                    "of at most 1048576 elements and 32768 q heads"),
     "v_cache of other block size": (_with(v_cache=lambda a: a["v_cache"].view(-1, 2, 2, 16)), "v_cache",
                                     r"k_cache's \[4, 2, 16\]"),
     "v_cache of more blocks": (_with(v_cache=lambda a: torch.cat([a["v_cache"], a["v_cache"]])), "v_cache",
