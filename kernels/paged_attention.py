@@ -288,6 +288,13 @@ def _default_splits(q: torch.Tensor, programs: int, max_tokens: int, block_n: in
     return max(1, min(want, max_tokens // max(128, block_n), 64))
 
 
+def _default_block_n(k_cache: torch.Tensor, d_pad: int) -> int:
+    """Tokens a tile where the caller left block_n None: 32 (H100 sweep, 2026-12-05: tiles of 16 took 1.2-1.4x as
+    long), or 16 where a [32, D] tile of the cache passes 32 KiB: fp32 at D 512, whose ring of K and V tiles then
+    passes the 227 KB of shared memory a block (the GPU cannot load the kernel; at 16 it runs)."""
+    return 32 if 32 * d_pad * k_cache.element_size() <= _TILE_BYTES else 16
+
+
 def _tuning_defaults(k_cache: torch.Tensor, fast_dot: bool | None, num_stages: int | None) -> tuple[bool, int]:
     """fast_dot and num_stages where the caller left them None. An FP8 cache: fp16 dots (tf32's numerics, see
     `_dot_dtype`) and one stage (its tiles converted as they come; a ring of 3 held fewer programs an SM: at 32
@@ -314,7 +321,7 @@ def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, fast_dot: bool) -> tl.dty
 
 
 _MAX_BLOCK = tl.TRITON_MAX_TENSOR_NUMEL    # the most elements of one tile
-_BLOCK_N = 32                               # tokens a tile by default (H100 sweep, 2026-12-05: 16 was 1.2-1.4x slower)
+_TILE_BYTES = 32 * 1024                     # the most bytes of a default [block_n, D] tile of K (`_default_block_n`)
 _MAX_SEQS = 2**31 - 1                      # grid axis 0 (sequences)
 _MAX_PROGRAMS = 65535                      # grid axes 1 (KV heads) and 2 (context splits)
 _MAX_D = 512
@@ -365,11 +372,12 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     hkv = k_cache.shape[2]
     g_pad, d_pad = _pads(q, k_cache)
     if (k_cache.dtype not in _KV_DTYPES or hkv > _MAX_PROGRAMS or g_pad * d_pad > _MAX_BLOCK
-            or _BLOCK_N * g_pad > _MAX_BLOCK):                    # the default tile's scores, [G_PAD, BLOCK_N]
+            or g_pad * _default_block_n(k_cache, d_pad) > _MAX_BLOCK):   # the default tile's scores [G_PAD, BLOCK_N]
         return InputError("k_cache", f"{k_cache.dtype} {list(k_cache.shape)}",
                           f"a bf16, fp16, fp32 or float8_e4m3fn cache of at most {_MAX_PROGRAMS} KV heads (the grid), "
                           f"each serving a [q_heads / kv_heads, D] group (padded to powers of two >= 16) of at most "
-                          f"{_MAX_BLOCK} elements and {_MAX_BLOCK // _BLOCK_N} q heads (q {list(q.shape)})",
+                          f"{_MAX_BLOCK} elements, and of at most {_MAX_BLOCK // 32} q heads at the default tile of "
+                          f"32 tokens (q {list(q.shape)})",
                           "call the op (`paged_decode_attention`) under runtime.backend=auto: it runs the reference "
                           "for others")
     # A [64, 512] tile (33-64 q heads a KV head at D 257-512) with the default tf32 dots on a 16-bit or FP8 cache
@@ -420,10 +428,10 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     return None
 
 
-def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None, block_n: int, num_warps: int,
+def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None, block_n: int | None, num_warps: int,
                    fast_dot: bool | None, num_stages: int | None = None) -> InputError | None:
     """Why `paged_decode_attention_triton` cannot launch with these tuning arguments (which the op does not
-    take), or None: num_splits None or 1 to 65535 (the grid), its partials under 2^31 elements; block_n a power
+    take), or None: num_splits None or 1 to 65535 (the grid), its partials under 2^31 elements; block_n None or a power
     of two >= 16 (tl.dot) whose [block_n, D] and [q_heads / kv_heads, block_n] tiles (padded) hold at most 2^20
     elements; num_warps 1, 2, 4, 8, 16 or 32; fast_dot None or a bool; num_stages None or 1 to 8. Asked on operands
     `paged_decode_attention_refusal` passed."""
@@ -434,12 +442,12 @@ def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | Non
         return InputError("num_splits", num_splits, f"None (picked from the GPU's size) or 1 to {most} here (the grid "
                           f"takes {_MAX_PROGRAMS}; the splits' partial rows, [B, kv_heads, splits, {g_pad}, {d_pad}], "
                           "are addressed in int32)", "leave num_splits=None")
-    if not (_whole(block_n) and block_n >= 16 and block_n & (block_n - 1) == 0
-            and block_n * max(g_pad, d_pad) <= _MAX_BLOCK):
+    if block_n is not None and not (_whole(block_n) and block_n >= 16 and block_n & (block_n - 1) == 0
+                                    and block_n * max(g_pad, d_pad) <= _MAX_BLOCK):
         rows = max(g_pad, d_pad)
         return InputError("block_n", block_n, f"a power of two >= 16 (tl.dot), at most {_MAX_BLOCK // rows} here (a "
                           f"tile of {rows} rows holds at most {_MAX_BLOCK} elements)",
-                          f"leave block_n={_BLOCK_N}" if _BLOCK_N <= _MAX_BLOCK // rows else "pass block_n=16")
+                          "leave block_n=None")
     if not _whole(num_warps) or num_warps not in _WARPS:
         return InputError("num_warps", num_warps, f"one of {', '.join(map(str, _WARPS))}", "leave num_warps=4")
     if fast_dot is not None and not isinstance(fast_dot, bool):
@@ -455,12 +463,13 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                                  num_splits: int | None = None, block_n: int = _BLOCK_N,
+                                  num_splits: int | None = None, block_n: int | None = None,
                                   num_warps: int = 4, fast_dot: bool | None = None,
                                   num_stages: int | None = None) -> torch.Tensor:
     """The Triton provider; same arguments as the reference (`out`: written in place and returned, any
     strides), plus `num_splits` (context splits per sequence; None picks from the GPU's size, 1 on the CPU),
-    `block_n` (tokens per tile, a power of two >= 16), `num_warps` and `num_stages` (the software pipeline's
+    `block_n` (tokens per tile, a power of two >= 16; None: `_default_block_n`, 32 but where the tile passes
+    32 KiB), `num_warps` and `num_stages` (the software pipeline's
     depth over the context loop; None: `_tuning_defaults`, 1 for an FP8 cache). Never synchronizes with the host, so
     it cannot refuse what the reference refuses: a context length past the block table is clamped to it, and
     a block id out of range drops its tokens (nothing is read out of bounds).
@@ -483,7 +492,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                                  num_splits: int | None = None, block_n: int = _BLOCK_N,
+                                  num_splits: int | None = None, block_n: int | None = None,
                                   num_warps: int = 4, fast_dot: bool | None = None,
                                   num_stages: int | None = None) -> torch.Tensor:
     """`paged_decode_attention_triton` on operands `paged_decode_attention_refusal` (and tuning arguments
@@ -496,6 +505,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if b == 0:
         return out
     fast_dot, num_stages = _tuning_defaults(k_cache, fast_dot, num_stages)
+    block_n = _default_block_n(k_cache, d_pad) if block_n is None else block_n
     max_tokens = max(1, block_tables.shape[1] * bs)
     splits = num_splits or _default_splits(q, b * hkv, max_tokens, block_n)
     split_len = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n

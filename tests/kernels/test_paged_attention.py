@@ -25,8 +25,8 @@ import triton.language as tl
 
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError, MtpfError
-from mtpfactory.kernels.paged_attention import (_dot_dtype, paged_decode_attention, paged_decode_attention_triton,
-                                               tuning_refusal)
+from mtpfactory.kernels.paged_attention import (_default_block_n, _dot_dtype, _tuning_defaults, paged_decode_attention,
+                                               paged_decode_attention_triton, tuning_refusal)
 
 # The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -394,7 +394,7 @@ BAD = {
     "k_cache KV heads past the grid": (lambda: _heads(65536, 65536, 16), "k_cache", "at most 65535 KV heads"),
     "k_cache group past a tile": (lambda: _heads(4096, 1, 512), "k_cache", "of at most 1048576 elements"),
     "k_cache group past the default tile's rows": (lambda: _heads(65536, 1, 16), "k_cache",
-                                                    "of at most 1048576 elements and 32768 q heads"),
+                                                    "and of at most 32768 q heads at the default tile"),
     "v_cache of other block size": (_with(v_cache=lambda a: a["v_cache"].view(-1, 2, 2, 16)), "v_cache",
                                     r"k_cache's \[4, 2, 16\]"),
     "v_cache of more blocks": (_with(v_cache=lambda a: torch.cat([a["v_cache"], a["v_cache"]])), "v_cache",
@@ -604,3 +604,16 @@ def test_gpu_large_groups_up_to_d_256_run_the_kernel(kv, hq, d):
 def test_gpu_fp32_matches_reference():
     args = make_case(8, 16, 2, 256, 16, [1000 + 377 * i for i in range(8)], "fp32", torch.float32, device="cuda")
     torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[torch.float32])
+
+
+def test_default_tuning_follows_the_cache():
+    """The defaults the H100 sweep chose (BENCHMARKS.md, 2026-12-05): tiles of 32 tokens but where a [32, D] tile
+    passes 32 KiB (fp32 at D 512, whose ring the GPU cannot hold: the tile of 16 that ran there); an FP8 cache
+    on fp16 dots (tf32's numerics) and one stage, others on fp32 dots and Triton's 3; given values are kept."""
+    cache = lambda dtype: torch.zeros(1, 16, 1, 8, dtype=dtype)  # noqa: E731
+    assert [_default_block_n(cache(dt), d) for dt, d in ((torch.float32, 512), (torch.float32, 256),
+                                                         (torch.bfloat16, 512), (torch.float8_e4m3fn, 512))] == [
+        16, 32, 32, 32]
+    assert _tuning_defaults(cache(torch.float8_e4m3fn), None, None) == (True, 1)
+    assert _tuning_defaults(cache(torch.bfloat16), None, None) == (False, 3)
+    assert _tuning_defaults(cache(torch.float8_e4m3fn), False, 2) == (False, 2)
