@@ -4,8 +4,8 @@ head dim, cache dtype, dot dtype, tile, pipeline depth and split count asked; on
 error relative to the reference's largest output, or the compile error. Correctness only, nothing is timed.
 
     python3 scripts/probe_attention_groups.py [--groups 32,64,128] [--dims 128,256,512] [--kv bf16,fp8]
-        [--fast-dot 0,1] [--warps 4,8] [--block-n 16] [--stages 0] [--splits 1]   (stages 0: the default, 1 for FP8, 3 otherwise;
-        splits 0: the default)
+        [--fast-dot 0,1] [--warps 4,8] [--block-n 16] [--stages 0] [--splits 1]
+        (stages 0: the default, 1 for FP8 and 3 otherwise; splits 0: the default)
 """
 
 from __future__ import annotations
