@@ -69,7 +69,8 @@ def runtime_device(cfg: DictConfig) -> torch.device:
         raise ConfigError("runtime.device", cfg.runtime.device, "no CUDA device is available here",
                           "use runtime.device=cpu or auto")
     if device.type == "cuda" and device.index is not None and device.index >= (count := torch.cuda.device_count()):
-        raise ConfigError("runtime.device", cfg.runtime.device, f"a GPU index in [0, {count}): this machine has {count}",
+        raise ConfigError("runtime.device", cfg.runtime.device,
+                          f"a GPU index in [0, {count}): this machine has {count}",
                           f"use runtime.device=cuda:0{f' to cuda:{count - 1}' if count > 1 else ''} or cuda")
     return device
 
