@@ -27,7 +27,7 @@ def _argmax_native(logits: torch.Tensor, out: torch.Tensor | None = None) -> tor
     return write_out(out, torch.argmax(logits, dim=-1))
 
 
-argmax = Op("argmax", _argmax_native)
+argmax = Op("argmax", _argmax_native, lambda logits, out=None: _argmax_shape_refusal(logits))
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def _embedding_native(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor 
     return write_out(out, table.index_select(0, ids))
 
 
-embedding = Op("embedding", _embedding_native)
+embedding = Op("embedding", _embedding_native, lambda ids, table, out=None: _embedding_index_refusal(ids, table))
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------

@@ -38,13 +38,37 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SM_COUNT_H200 = 132
 
 
+def linear_contract(x: torch.Tensor, weight: torch.Tensor,
+                    weight_scale: torch.Tensor | None = None) -> InputError | WeightsError | None:
+    """Why the reference cannot multiply these, or None (every provider refuses the same calls): x a
+    bf16, fp16 or fp32 [..., K]; weight [N, K] of x's dtype, or with `weight_scale` (`linear_fp8`)
+    float8_e4m3fn beside a float32 [N] scale."""
+    if x.dim() == 0 or x.dtype not in _FLOAT_DTYPES:
+        return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a bf16, fp16 or fp32 [..., K] tensor",
+                          "pass the activations in the run's dtype, K last")
+    k = x.shape[-1]
+    want = x.dtype if weight_scale is None else torch.float8_e4m3fn
+    if weight.dim() != 2 or weight.dtype != want or weight.shape[1] != k:
+        return WeightsError("weight", f"{weight.dtype} {tuple(weight.shape)}, strides {weight.stride()}",
+                            f"a {want} [N, K = {k}] tensor (x is {x.dtype} {list(x.shape)})",
+                            f"pass a {want} weight of K = {k}, the layer's [out_features, in_features]")
+    if weight_scale is not None and (weight_scale.dtype != torch.float32
+                                     or tuple(weight_scale.shape) != (weight.shape[0],)):
+        return WeightsError("weight_scale", f"{weight_scale.dtype} {tuple(weight_scale.shape)}",
+                            f"a float32 [N] = [{weight.shape[0]}] tensor, one scale a row",
+                            "pass the scale quantize_fp8 made with this weight")
+    return None
+
+
 def _linear_native(x: torch.Tensor, weight: torch.Tensor, split_work: bool = True) -> torch.Tensor:
-    """x: [M, K]; weight: [N, K] in x's dtype. Returns [M, N]. `split_work` (levers.gemv_split_work) picks
-    the fast providers' split-K variant; the result is the same either way."""
+    """x: [..., K]; weight: [N, K] in x's dtype (`linear_contract`). Returns [..., N]. `split_work`
+    (levers.gemv_split_work) picks the fast providers' split-K variant; the result is the same either way."""
+    if err := linear_contract(x, weight):
+        raise err
     return torch.nn.functional.linear(x, weight)
 
 
-linear = Op("linear", _linear_native)
+linear = Op("linear", _linear_native, lambda x, weight, split_work=True: linear_contract(x, weight))
 
 
 # --- plan: tile sizes by shape -------------------------------------------------------------------------------
@@ -616,22 +640,19 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor,
     `linear_fp8` say no to the same calls), or None: x a 2-D bf16, fp16 or fp32 [M <= 32, K] (any strides);
     weight [N, K] with unit stride along K, of x's dtype, or with `weight_scale` float8_e4m3fn beside an fp32
     [N] scale (on the CPU or a GPU of sm_89 or later, which converts E4M3)."""
-    if err := x_refusal(x, "linear_fp8" if weight_scale is not None else "linear"):
+    scaled = weight_scale is not None
+    op = "linear_fp8" if scaled else "linear"
+    if err := x_refusal(x, op) or linear_contract(x, weight, weight_scale):
         return err
     m, k = x.shape
-    scaled = weight_scale is not None
-    want = torch.float8_e4m3fn if scaled else x.dtype
-    if weight.dim() != 2 or weight.dtype != want or weight.shape[1] != k or (k and weight.stride(1) != 1):
+    if k and weight.stride(1) != 1:
         return WeightsError("weight", f"{weight.dtype} {tuple(weight.shape)}, strides {weight.stride()}",
-                            f"a {want} [N, K = {k}] tensor (x is {x.dtype} [{m}, {k}]) with unit stride along K",
-                            f"pass a {want} weight of K = {k} with unit stride along K (weight.contiguous())")
-    if err := reach_refusal(m, weight.shape[0], k, "linear_fp8" if scaled else "linear"):
+                            "unit stride along K", "pass weight.contiguous()")
+    if err := reach_refusal(m, weight.shape[0], k, op):
         return err
-    if scaled and (weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (weight.shape[0],)
-                   or not weight_scale.is_contiguous()):
-        return WeightsError("weight_scale", f"{weight_scale.dtype} {tuple(weight_scale.shape)}",
-                            f"a contiguous float32 [N] = [{weight.shape[0]}] tensor, one scale a row",
-                            "pass the scale quantize_fp8 made with this weight")
+    if scaled and not weight_scale.is_contiguous():
+        return WeightsError("weight_scale", f"strides {weight_scale.stride()}", "a contiguous [N] tensor",
+                            "pass weight_scale.contiguous()")
     if scaled and x.is_cuda and (cap := torch.cuda.get_device_capability(x.device)) < (8, 9):
         return InputError("x.device", f"{x.device}, capability {cap}", "FP8 weights need sm_89 or later",
                           "call the op (`linear_fp8`) under runtime.backend=auto: it runs the reference here")

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import torch
 
-from mtpfactory.kernels.linear import GemvPlan, _linear_launch, linear_triton, operand_refusal
+from mtpfactory.kernels.linear import GemvPlan, _linear_launch, linear_contract, linear_triton, operand_refusal
 from mtpfactory.ops import Op
 
 
 def _linear_fp8_native(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        split_work: bool = True) -> torch.Tensor:
-    """x: [M, K] bf16/fp16/fp32; weight: float8_e4m3fn [N, K]; weight_scale: fp32 [N]. Returns [M, N] in x's dtype."""
+    """x: [..., K] bf16/fp16/fp32; weight: float8_e4m3fn [N, K]; weight_scale: fp32 [N] (`linear_contract`).
+    Returns [..., N] in x's dtype."""
+    if err := linear_contract(x, weight, weight_scale):
+        raise err
     return (x.float() @ weight.float().T * weight_scale).to(x.dtype)
 
 
-linear_fp8 = Op("linear_fp8", _linear_fp8_native)
+linear_fp8 = Op("linear_fp8", _linear_fp8_native,
+                lambda x, weight, weight_scale, split_work=True: linear_contract(x, weight, weight_scale))
 
 
 def linear_fp8_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, split_k: bool = False,

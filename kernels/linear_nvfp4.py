@@ -88,14 +88,45 @@ from mtpfactory.ops import Op, out_or_empty
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
 
 
+def nvfp4_contract(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                   split_work: bool = True) -> MtpfError | None:
+    """Why the reference cannot multiply these, or None (every provider refuses the same calls): x a bf16, fp16
+    or fp32 [..., K]; weight uint8 [N, K/2], K a multiple of 16; weight_scale float8_e4m3fn [N, K/16];
+    weight_scale_2 one fp32 number (the ModelOpt layout, DESIGN 3)."""
+    if x.dim() == 0 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a bf16, fp16 or fp32 [..., K] tensor",
+                          "pass the activations in the run's dtype, K last")
+    k = x.shape[-1]
+    if weight.dtype != torch.uint8 or weight.dim() != 2:
+        return WeightsError("weight", f"{weight.dtype} {tuple(weight.shape)}", "a 2-D uint8 [N, K/2] tensor",
+                            "pass the checkpoint's packed weight")
+    n, half_k = weight.shape
+    if 2 * half_k != k:
+        return InputError("x", f"{list(x.shape)}", f"K = {2 * half_k}, as the weight {tuple(weight.shape)} holds (two "
+                          "codes a byte)", "pass this weight's input")
+    if k % NVFP4_BLOCK:
+        return WeightsError("weight", f"K = {k}", "NVFP4 takes K a multiple of 16",
+                            "keep this tensor unquantized or pad K")
+    if weight_scale.dtype != torch.float8_e4m3fn or weight_scale.shape != (n, k // NVFP4_BLOCK):
+        return WeightsError("weight_scale", f"{weight_scale.dtype} {tuple(weight_scale.shape)}",
+                            f"float8_e4m3fn [N, K/16] = [{n}, {k // NVFP4_BLOCK}]",
+                            "pass the checkpoint's weight_scale as stored (one E4M3 byte a 16-element block)")
+    if weight_scale_2.dtype != torch.float32 or weight_scale_2.numel() != 1:
+        return WeightsError("weight_scale_2", f"{weight_scale_2.dtype} {tuple(weight_scale_2.shape)}",
+                            "one fp32 number", "pass the checkpoint's weight_scale_2 as stored")
+    return None
+
+
 def _linear_nvfp4_native(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          weight_scale_2: torch.Tensor, split_work: bool = True) -> torch.Tensor:
-    """x: [M, K] bf16/fp16/fp32; weight: uint8 [N, K/2]; weight_scale: float8_e4m3fn [N, K/16];
-    weight_scale_2: fp32 scalar. Returns [M, N] in x's dtype."""
+    """x: [..., K] bf16/fp16/fp32; weight: uint8 [N, K/2]; weight_scale: float8_e4m3fn [N, K/16];
+    weight_scale_2: fp32 scalar (`nvfp4_contract`). Returns [..., N] in x's dtype."""
+    if err := nvfp4_contract(x, weight, weight_scale, weight_scale_2):
+        raise err
     return (x.float() @ dequantize_nvfp4(weight, weight_scale, weight_scale_2).T).to(x.dtype)
 
 
-linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native)
+linear_nvfp4 = Op("linear_nvfp4", _linear_nvfp4_native, nvfp4_contract)
 
 # The fastest tiles of the H200 sweeps (scripts/tune_gemv.py, 2026-12-03; BENCHMARKS.md). M = 1, 16-bit x
 # without x's pass (the LM heads run it and take `TILES_NVFP4_LM_HEAD`): the fp16-sum GEMV at (64, 256), 4
@@ -1141,19 +1172,10 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     uint8 [N, K/2], K a multiple of 16, unit stride along K, rows on 4-byte boundaries (read as int32 words);
     weight_scale float8_e4m3fn [N, K/16], unit stride along K; weight_scale_2 one fp32 number; x on the CPU
     (the interpreter) or a GPU of sm_90 or later (the inline PTX)."""
-    if err := x_refusal(x, "linear_nvfp4"):
+    if err := x_refusal(x, "linear_nvfp4") or nvfp4_contract(x, weight, weight_scale, weight_scale_2):
         return err
     m, k = x.shape
-    if weight.dtype != torch.uint8 or weight.dim() != 2:
-        return WeightsError("weight", f"{weight.dtype} {tuple(weight.shape)}", "a 2-D uint8 [N, K/2] tensor",
-                            "pass the checkpoint's packed weight")
-    n, half_k = weight.shape
-    if 2 * half_k != k:
-        return InputError("x", f"[{m}, {k}]", f"K = {2 * half_k}, as the weight {tuple(weight.shape)} holds (two "
-                          "codes a byte)", "pass this weight's input")
-    if k % NVFP4_BLOCK:
-        return WeightsError("weight", f"K = {k}", "NVFP4 takes K a multiple of 16",
-                            "keep this tensor unquantized or pad K")
+    n = weight.shape[0]
     if err := reach_refusal(m, n, k, "linear_nvfp4"):
         return err
     if k:                                                            # K = 0 reads nothing: any layout
@@ -1162,16 +1184,9 @@ def operand_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                                 "pass weight.contiguous()")
         if err := words_refusal("weight", weight, WeightsError):
             return err
-    if weight_scale.dtype != torch.float8_e4m3fn or weight_scale.shape != (n, k // NVFP4_BLOCK):
-        return WeightsError("weight_scale", f"{weight_scale.dtype} {tuple(weight_scale.shape)}",
-                            f"float8_e4m3fn [N, K/16] = [{n}, {k // NVFP4_BLOCK}]",
-                            "pass the checkpoint's weight_scale as stored (one E4M3 byte a 16-element block)")
     if k and weight_scale.stride(1) != 1:
         return WeightsError("weight_scale", f"strides {weight_scale.stride()}", "unit stride along K",
                             "pass weight_scale.contiguous()")
-    if weight_scale_2.dtype != torch.float32 or weight_scale_2.numel() != 1:
-        return WeightsError("weight_scale_2", f"{weight_scale_2.dtype} {tuple(weight_scale_2.shape)}",
-                            "one fp32 number", "pass the checkpoint's weight_scale_2 as stored")
     return device_refusal(x.device)
 
 

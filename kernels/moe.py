@@ -132,8 +132,7 @@ def _fused_moe_native(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
 
     Returns sum_j w_j * down_j(silu(gate_j x) * up_j x) + sigmoid(shared_gate) * shared_out, [N, H] in
     x's dtype, reading only the selected experts (rounding order: see `_moe_native`)."""
-    if err := (_moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate)
-               or _experts_shape_refusal(x, w_gate_up, w_down)):
+    if err := _fused_moe_contract(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate):
         raise err
     _check_moe_args(x, topk_ids.shape[1], w_down.shape[-1], shared_out, shared_gate, out, workspace)
     return _moe_native(x, w_gate_up.shape[0], lambda e: (w_gate_up[e], w_down[e]), topk_weights, topk_ids,
@@ -152,8 +151,8 @@ def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: 
     Each selected expert is dequantized to x's dtype with `dequantize_nvfp4` (which refuses a malformed
     expert's tensors by name) and run through the `fused_moe` reference maths; shapes that do not agree
     between the stacks and x are refused first (`_nvfp4_shape_refusal`)."""
-    if err := (_moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate)
-               or _nvfp4_shape_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global)):
+    if err := _fused_moe_nvfp4_contract(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global,
+                                        topk_weights, topk_ids, shared_out, shared_gate):
         raise err
     inter = gu_weight.shape[1] // 2
     _check_moe_args(x, topk_ids.shape[1], inter, shared_out, shared_gate, out, workspace)
@@ -295,9 +294,26 @@ def _nvfp4_shape_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale,
     return None
 
 
-moe_route_softmax = Op("moe_route_softmax", _moe_route_softmax_native)
-fused_moe = Op("fused_moe", _fused_moe_native)
-fused_moe_nvfp4 = Op("fused_moe_nvfp4", _fused_moe_nvfp4_native)
+def _fused_moe_contract(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None, *,
+                        out=None, workspace=None) -> InputError | None:
+    """What the `fused_moe` reference refuses before anything runs (every provider refuses the same)."""
+    return (_moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate)
+            or _experts_shape_refusal(x, w_gate_up, w_down))
+
+
+def _fused_moe_nvfp4_contract(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+                              topk_ids, shared_out=None, shared_gate=None, *, out=None,
+                              workspace=None) -> InputError | None:
+    """What the `fused_moe_nvfp4` reference refuses before anything runs (every provider refuses the same)."""
+    return (_moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate)
+            or _nvfp4_shape_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global))
+
+
+moe_route_softmax = Op("moe_route_softmax", _moe_route_softmax_native,
+                       lambda router_logits, top_k, renormalize, *, out=None: _route_shape_refusal(router_logits,
+                                                                                                  top_k))
+fused_moe = Op("fused_moe", _fused_moe_native, _fused_moe_contract)
+fused_moe_nvfp4 = Op("fused_moe_nvfp4", _fused_moe_nvfp4_native, _fused_moe_nvfp4_contract)
 
 
 # --- Triton helpers --------------------------------------------------------------------------------------

@@ -544,7 +544,13 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     return out
 
 
-paged_decode_attention = Op("paged_decode_attention", _paged_decode_attention_native)
+def _contract(q, k_cache, v_cache, block_tables, context_lens, scale, gate=None, k_scale=None, v_scale=None, *,
+              out=None) -> InputError | None:
+    """What the reference refuses before anything runs (`_shape_refusal`; every provider refuses the same)."""
+    return _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale)
+
+
+paged_decode_attention = Op("paged_decode_attention", _paged_decode_attention_native, _contract)
 # Through the op, the provider's tuning arguments (num_splits, block_n, num_warps, fast_dot, num_stages) are not
 # taken: the reference has none, so a call means the same under every backend. Tests and sweeps pass them to
 # `paged_decode_attention_triton` itself.

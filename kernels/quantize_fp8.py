@@ -23,7 +23,7 @@ from mtpfactory import quant
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
 from mtpfactory.errors import WeightsError
 from mtpfactory.ops import Op, check_outs, write_outs
-from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
+from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite, matrix_refusal
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_NAMES = ("weight", "weight_scale")
@@ -174,7 +174,7 @@ def _quantize_fp8_native(w: torch.Tensor, name: str = "weight", *,
     return write_outs(out, quant.quantize_fp8(w, name), _OUT_NAMES, "contiguous")
 
 
-quantize_fp8 = Op("quantize_fp8", _quantize_fp8_native)
+quantize_fp8 = Op("quantize_fp8", _quantize_fp8_native, lambda w, name="weight", *, out=None: matrix_refusal(w, name))
 def _quantize_fp8_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> WeightsError | None:
     return weight_refusal(w, name)
 

@@ -32,7 +32,7 @@ from mtpfactory.kernels.quantize_fp8 import (
 )
 from mtpfactory.ops import Op, check_outs, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
-from mtpfactory.quant.nvfp4 import E2M1_MAX, NVFP4_BLOCK
+from mtpfactory.quant.nvfp4 import E2M1_MAX, NVFP4_BLOCK, nvfp4_matrix_refusal
 _OUT_NAMES = ("weight", "weight_scale", "weight_scale_2")
 
 
@@ -84,12 +84,7 @@ def _refusal(w: torch.Tensor, name: str) -> WeightsError | None:
     """Why the kernels cannot quantize `w`, as the error the provider raises (its predicate says no to the same
     calls), or None: a 2-D fp32, bf16 or fp16 [N, K] tensor with elements, K a multiple of 16 (a block that
     crossed a row would mix two rows' values)."""
-    if err := weight_refusal(w, name):
-        return err
-    if w.shape[1] % NVFP4_BLOCK:
-        return WeightsError(f"{name}.shape[1]", w.shape[1], "NVFP4 needs K to be a multiple of 16",
-                            "keep this tensor unquantized or pad K")
-    return None
+    return weight_refusal(w, name) or nvfp4_matrix_refusal(w, name)
 
 
 def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
@@ -140,7 +135,8 @@ def _quantize_nvfp4_native(w: torch.Tensor, name: str = "weight", *,
     return write_outs(out, quant.quantize_nvfp4(w, name), _OUT_NAMES, "contiguous")
 
 
-quantize_nvfp4 = Op("quantize_nvfp4", _quantize_nvfp4_native)
+quantize_nvfp4 = Op("quantize_nvfp4", _quantize_nvfp4_native,
+                    lambda w, name="weight", *, out=None: nvfp4_matrix_refusal(w, name))
 def _quantize_nvfp4_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> WeightsError | None:
     return _refusal(w, name)
 

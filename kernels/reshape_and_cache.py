@@ -98,7 +98,7 @@ def _reshape_and_cache_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     write_slots(v_cache, slots, v.to(v_cache.dtype))
 
 
-reshape_and_cache = Op("reshape_and_cache", _reshape_and_cache_native)
+reshape_and_cache = Op("reshape_and_cache", _reshape_and_cache_native, _shape_refusal)
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def _scale_refusal(name: str, scale: torch.Tensor | None, x: torch.Tensor, cache
 
 
 def _shape_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+                   slots: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
                    ) -> InputError | None:
     """Why no provider can write k and v at these slots, or None (the reference's part of
     `reshape_and_cache_fp8_refusal`: rows that broadcast, slots of any shape, each cache of its own shape)."""
@@ -225,7 +225,7 @@ def reshape_and_cache_fp8_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torc
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, num_warps=4)
 
 
-reshape_and_cache_fp8 = Op("reshape_and_cache_fp8", _reshape_and_cache_fp8_native)
+reshape_and_cache_fp8 = Op("reshape_and_cache_fp8", _reshape_and_cache_fp8_native, _shape_refusal)
 reshape_and_cache_fp8.register_provider("triton", reshape_and_cache_fp8_launch,
                                         reshape_and_cache_fp8_refusal)
 

@@ -36,13 +36,31 @@ def residual_refusal(x: torch.Tensor, residual: torch.Tensor | None,
     return None
 
 
+def norm_contract(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+                  residual_out: torch.Tensor | None = None, weight_field: str = "weight") -> InputError | None:
+    """Why the reference cannot normalize these, or None (every provider refuses the same calls): x a bf16, fp16
+    or fp32 [..., H]; weight (named `weight_field`) a bf16, fp16 or fp32 [H]; residual as `residual_refusal`."""
+    if x.dim() == 0 or x.dtype not in _FLOATS:
+        return InputError("x", f"{x.dtype} {list(x.shape)}", "a bf16, fp16 or fp32 [..., H] tensor",
+                          "pass the hidden rows in the run's dtype, H last")
+    h = x.shape[-1]
+    if weight.dtype not in _FLOATS or tuple(weight.shape) != (h,):
+        return InputError(weight_field, f"{weight.dtype} {list(weight.shape)}", f"a bf16, fp16 or fp32 [H] = [{h}] "
+                          f"tensor (x is {list(x.shape)})", f"pass the norm's [{h}] weight")
+    return residual_refusal(x, residual, residual_out)
+
+
+def _rms_norm_contract(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None) -> InputError | None:
+    return norm_contract(x, weight, residual, residual_out)
+
+
 def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
                      residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                      residual_out: torch.Tensor | None = None):
-    """x, residual: [..., H]; weight: [H]. With `residual` (x's shape and dtype: `residual_refusal`), returns
+    """x, residual: [..., H]; weight: [H] (`norm_contract`). With `residual` (x's shape and dtype), returns
     (norm(x + residual), x + residual). `out` / `residual_out` (optional, x's shape and dtype) receive the norm
     and the sum and are returned."""
-    if err := residual_refusal(x, residual, residual_out):
+    if err := norm_contract(x, weight, residual, residual_out):
         raise err
     if out is not None:
         check_out(out, x.shape, x.dtype, x.device)
@@ -58,7 +76,7 @@ def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cen
     return y if residual is None else (y, x)
 
 
-rms_norm = Op("rms_norm", _rms_norm_native)
+rms_norm = Op("rms_norm", _rms_norm_native, _rms_norm_contract)
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------
@@ -104,20 +122,19 @@ def rms_norm_refusal(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
     None: x a contiguous bf16, fp16 or fp32 [..., H], 1 <= H <= 65536 (the row in registers; the kernel steps
     rows by H); weight a contiguous bf16, fp16 or fp32 [H] (read with unit stride); residual a contiguous
     tensor of x's shape and dtype; residual_out only with a residual (`residual_refusal`)."""
-    if x.dim() == 0 or x.dtype not in _FLOATS or not 1 <= x.shape[-1] <= _MAX_H:
+    if err := norm_contract(x, weight, residual, residual_out, weight_field):
+        return err
+    if not 1 <= x.shape[-1] <= _MAX_H:
         return InputError("x", f"{x.dtype} {list(x.shape)}", f"a bf16, fp16 or fp32 [..., H] tensor, 1 <= H <= "
                           f"{_MAX_H} (one row in registers)", "call the op (`rms_norm`) under runtime.backend=auto: "
                           "it runs the reference for others")
     if not x.is_contiguous():
         return InputError("x", f"strides {x.stride()} of {list(x.shape)}", "a contiguous tensor (the kernel steps "
                           "rows by H)", "pass x.contiguous()")
-    h = x.shape[-1]
-    if weight.dtype not in _FLOATS or tuple(weight.shape) != (h,) or not weight.is_contiguous():
+    if not weight.is_contiguous():
         return InputError(weight_field, f"{weight.dtype} {list(weight.shape)}, strides {weight.stride()}",
-                          f"a contiguous bf16, fp16 or fp32 [H] = [{h}] tensor (read with unit stride)",
-                          f"pass the norm's [{h}] weight, with unit stride: {weight_field}.contiguous()")
-    if err := residual_refusal(x, residual, residual_out):
-        return err
+                          f"a contiguous [H] = [{x.shape[-1]}] tensor (read with unit stride)",
+                          f"pass the norm's weight with unit stride: {weight_field}.contiguous()")
     if residual is not None and not residual.is_contiguous():
         return InputError("residual", f"strides {residual.stride()} of {list(residual.shape)}",
                           "a contiguous tensor (the kernel steps rows by H)", "pass residual.contiguous()")

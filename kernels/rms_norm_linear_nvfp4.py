@@ -20,25 +20,36 @@ from mtpfactory.kernels.linear import x_pass_pdl
 from mtpfactory.kernels.linear_nvfp4 import (
     _linear_nvfp4_native,
     _run_planned,
+    nvfp4_contract,
     operand_refusal,
     planned,
     x_pairs_for,
 )
-from mtpfactory.kernels.rms_norm import _rms_norm_native, rms_norm_launch, rms_norm_refusal
+from mtpfactory.kernels.rms_norm import _rms_norm_native, norm_contract, rms_norm_launch, rms_norm_refusal
 from mtpfactory.ops import Op
 
 
 def _rms_norm_linear_nvfp4_native(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centred: bool,
                                   weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                                   residual: torch.Tensor | None = None, split_work: bool = True):
-    """x, residual [M, H]; norm_weight [H]; the NVFP4 weight [N, H/2] as `linear_nvfp4`'s."""
+    """x, residual [M, H]; norm_weight [H]; the NVFP4 weight [N, H/2] as `linear_nvfp4`'s (`_contract`)."""
+    if err := _contract(x, norm_weight, eps, zero_centred, weight, weight_scale, weight_scale_2, residual):
+        raise err
     normed = _rms_norm_native(x, norm_weight, eps, zero_centred, residual)
     y = normed if residual is None else normed[0]
     logits = _linear_nvfp4_native(y, weight, weight_scale, weight_scale_2)
     return (logits, y) if residual is None else (logits, *normed)
 
 
-rms_norm_linear_nvfp4 = Op("rms_norm_linear_nvfp4", _rms_norm_linear_nvfp4_native)
+def _contract(x, norm_weight, eps, zero_centred, weight, weight_scale, weight_scale_2, residual=None,
+              split_work=True):
+    """What the reference refuses before anything runs (every provider refuses the same): the norm's operands
+    (`norm_contract`, its weight named norm_weight), then the projection's (`nvfp4_contract`)."""
+    return (norm_contract(x, norm_weight, residual, weight_field="norm_weight")
+            or nvfp4_contract(x, weight, weight_scale, weight_scale_2))
+
+
+rms_norm_linear_nvfp4 = Op("rms_norm_linear_nvfp4", _rms_norm_linear_nvfp4_native, _contract)
 
 
 def rms_norm_linear_nvfp4_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centred: bool,

@@ -33,13 +33,13 @@ def _rope_neox_shape_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq:
 def _rope_neox_native(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [N, heads, D]; positions: [N] (or [1]); inv_freq: [rotary_dim / 2], rotary_dim <= D. Returns x
-    rotated, x's dtype (written into `out` when given). Shapes as `_rope_neox_shape_refusal` says, which is
-    asked for x of up to 3 dims; x of more ([..., N, heads, D]) broadcasts against positions as torch does.
+    rotated, x's dtype (written into `out` when given). Shapes as `_rope_neox_shape_refusal` says (x of more
+    dims, [..., N, heads, D], broadcasts against positions as torch does).
 
     Pairs (i, i + rotary_dim/2) rotate by angle position * inv_freq[i]; cos and sin are rounded to x's
     dtype before use, as the Hugging Face models do.
     """
-    if x.dim() <= 3 and (err := _rope_neox_shape_refusal(x, positions, inv_freq)):
+    if err := _rope_neox_shape_refusal(x, positions, inv_freq):
         raise err
     rd = 2 * inv_freq.numel()
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(x.device, torch.float32)[None, :]  # [N, rd/2]
@@ -51,7 +51,8 @@ def _rope_neox_native(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
     return write_out(out, torch.cat([rot * cos + rotated * sin, rest], dim=-1))
 
 
-rope_neox = Op("rope_neox", _rope_neox_native)
+rope_neox = Op("rope_neox", _rope_neox_native,
+               lambda x, positions, inv_freq, out=None: _rope_neox_shape_refusal(x, positions, inv_freq))
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:

@@ -6,7 +6,8 @@
   reference, logging the fallback at debug level; also the reference where this GPU cannot launch the
   provider's kernel at all (Triton's OutOfResources: shared memory), warned once a kind of call;
 - `triton`: the Triton provider, and an error naming the op when it cannot serve the call (never a
-  silent fallback), with the reason where the provider registered its rule (`refusal`).
+  silent fallback), with the reason where the provider registered its rule (`refusal`); a call the reference
+  refuses too (the op's `contract`: shapes and dtypes) raises the reference's error under every backend.
 
 The ops themselves are defined in `mtpfactory.kernels` (one file each). A head runs its forward inside
 `use_backend(...)`, so components call them plainly (`K.rms_norm(x, w, eps, zero_centred)`, with
@@ -75,11 +76,17 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 class Op:
-    """One op: `Op(name, reference)`; fast providers attach with `op.register_provider(...)`."""
+    """One op: `Op(name, reference, contract)`; fast providers attach with `op.register_provider(...)`.
 
-    def __init__(self, name: str, reference: Callable) -> None:
+    `contract` takes the op's arguments and returns why the reference itself refuses them (an MtpfError naming
+    the argument: shapes and dtypes, never values, which would wait on the GPU), or None; the reference raises
+    it first. Under an explicit backend a call that no provider serves raises the contract's error where there is
+    one, as the reference would: the call is wrong under every backend, and `auto` would not mend it."""
+
+    def __init__(self, name: str, reference: Callable, contract: Callable[..., MtpfError | None]) -> None:
         self.name = name
         self.reference = reference
+        self.contract = contract
         self.providers: dict[str, Provider] = {}
         _OPS[name] = self
 
@@ -114,6 +121,8 @@ class Op:
                                f"({_describe(args, kwargs)}): {e}; running the reference", (self.name, pname, str(e)))
                     return self.reference(*args, **kwargs)
         if backend != "auto":
+            if err := self.contract(*args, **kwargs):
+                raise err
             p = self.providers.get(backend)
             why = None if p is None else p.refusal(*args, **kwargs)
             devices = sorted({str(t.device) for t in _tensors(args, kwargs)})

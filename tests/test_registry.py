@@ -16,6 +16,8 @@ from mtpfactory import ops, registry
 from mtpfactory.components.ffn import SwiGLU, build_swiglu
 from mtpfactory.errors import ConfigError, UnknownNameError
 
+ACCEPTS = lambda *args, **kwargs: None  # noqa: E731  (an op contract that refuses nothing)
+
 
 class HalfSwiGLU(torch.nn.Module):
     """A user's FFN: the dense SwiGLU's output halved (so its effect on the logits is visible)."""
@@ -113,7 +115,7 @@ def test_an_op_provider_name_taken_by_another_function_is_refused(monkeypatch):
             return x * k
         return provider
 
-    op = ops.Op("test_op", lambda x: x)
+    op = ops.Op("test_op", lambda x: x, ACCEPTS)
     # Two lambdas; two closures from one factory: each pair shares a qualified name, not a function.
     lambdas = (lambda x: x + 1,
                lambda x: x + 2)
@@ -165,7 +167,7 @@ def test_a_different_builder_under_a_taken_name_is_refused_even_with_the_same_qu
         registry.register("ffn", "one_line", b)
     assert registry.get("ffn", "one_line") is a
     monkeypatch.setattr(ops, "_OPS", {})  # a throwaway op, out of the real registry
-    op = ops.Op("test_op", lambda x: x)
+    op = ops.Op("test_op", lambda x: x, ACCEPTS)
     op.register_provider("triton", a, lambda x: None)
     with pytest.raises(ConfigError, match="already registered"):
         op.register_provider("triton", b, lambda x: None)
@@ -211,7 +213,7 @@ def test_a_failing_entry_point_is_named_and_the_others_still_load(empty_registry
 def test_a_refused_op_call_names_its_keyword_tensors_too(monkeypatch):
     """`runtime.backend=triton` with no provider for the call: the error lists every tensor, `out=` included."""
     monkeypatch.setattr(ops, "_OPS", {})
-    op = ops.Op("test_op", lambda x, *, out=None: x)
+    op = ops.Op("test_op", lambda x, *, out=None: x, ACCEPTS)
     with ops.use_backend("triton"), pytest.raises(ConfigError, match=r"\(2, 3\) float32 cpu, out=\(2, 3\) int64 cpu"):
         op(torch.zeros(2, 3), out=torch.zeros(2, 3, dtype=torch.int64))
 
@@ -222,7 +224,7 @@ def test_an_explicit_backend_that_cannot_serve_a_call_says_why(monkeypatch):
     gives both calls to the reference."""
     from mtpfactory.errors import InputError
     monkeypatch.setattr(ops, "_OPS", {})
-    op = ops.Op("test_op_why", lambda x: -x)
+    op = ops.Op("test_op_why", lambda x: -x, ACCEPTS)
     def refusal(x):
         return None if x.dim() == 2 else InputError("x", f"{x.dim()}-D", "a 2-D tensor", "(a test)")
 
@@ -234,7 +236,7 @@ def test_an_explicit_backend_that_cannot_serve_a_call_says_why(monkeypatch):
     def nowhere(*tensors):
         return False
 
-    elsewhere = ops.Op("test_op_elsewhere", lambda x, *, out=None: -x)
+    elsewhere = ops.Op("test_op_elsewhere", lambda x, *, out=None: -x, ACCEPTS)
     elsewhere.register_provider("triton", lambda x, *, out=None: x, lambda x, *, out=None: None, can_run=nowhere)
     with ops.use_backend("triton"), pytest.raises(ConfigError, match=r"nowhere refuses tensors on cpu\)"):
         elsewhere(torch.zeros(3), out=torch.zeros(3))
@@ -247,7 +249,7 @@ def test_a_provider_takes_a_call_only_where_it_can_run_on_every_tensor_the_call_
     (an `out=` triple)."""
     monkeypatch.setattr(ops, "_OPS", {})
     seen = []
-    op = ops.Op("test_op_tensors", lambda *a, **k: None)
+    op = ops.Op("test_op_tensors", lambda *a, **k: None, ACCEPTS)
     op.register_provider("triton", lambda *a, **k: None, lambda *a, **k: None,
                          can_run=lambda *ts: seen.append(len(ts)) or True)
     a, b, c, d = (torch.zeros(1) for _ in range(4))
@@ -268,7 +270,7 @@ def test_a_kernel_this_gpu_cannot_launch_falls_back_under_auto_and_is_refused_un
         raised.append(1)
         raise OutOfResources(300000, 232448, "shared memory")
 
-    op = ops.Op("test_op_oor", lambda x: x * 2)
+    op = ops.Op("test_op_oor", lambda x: x * 2, ACCEPTS)
     op.register_provider("triton", provider, lambda x: None, can_run=lambda *ts: True)
     x = torch.ones(3)
     with ops.use_backend("auto"), caplog.at_level("WARNING", logger="mtpfactory.ops"):
@@ -283,7 +285,7 @@ def test_a_kernel_this_gpu_cannot_launch_falls_back_under_auto_and_is_refused_un
     def broken(x):
         raise RuntimeError("a bug, not a resource limit")
 
-    other = ops.Op("test_op_bug", lambda x: x)
+    other = ops.Op("test_op_bug", lambda x: x, ACCEPTS)
     other.register_provider("triton", broken, lambda x: None, can_run=lambda *ts: True)
     with ops.use_backend("auto"), pytest.raises(RuntimeError, match="a bug"):
         other(x)
@@ -293,7 +295,7 @@ def test_a_predicate_registered_as_a_refusal_is_named_not_silently_never_chosen(
     """register_provider's third argument is a refusal (an error or None): a predicate there (True or False)
     would make the provider never serve, so the first call says so."""
     monkeypatch.setattr(ops, "_OPS", {})
-    op = ops.Op("test_op_predicate", lambda x: x)
+    op = ops.Op("test_op_predicate", lambda x: x, ACCEPTS)
     op.register_provider("triton", lambda x: x, lambda x: True, can_run=lambda *ts: True)
     with ops.use_backend("auto"), pytest.raises(TypeError, match="its refusal returned True.*not a predicate"):
         op(torch.zeros(2))

@@ -16,13 +16,21 @@ from mtpfactory.errors import WeightsError
 FP8_E4M3_MAX = 448.0
 
 
+def matrix_refusal(w: Tensor, name: str) -> WeightsError | None:
+    """Why no format can store `w` by its shape and dtype, or None: not 2-D, empty, not floating (its values are
+    checked apart, `check_finite`: reading them waits on a GPU)."""
+    if w.dim() != 2 or w.numel() == 0:
+        return WeightsError(f"{name}.shape", tuple(w.shape), "must be a non-empty 2-D [N, K] matrix",
+                            "quantize each weight matrix separately")
+    if not w.dtype.is_floating_point:
+        return WeightsError(f"{name}.dtype", w.dtype, "must be a floating-point type", "pass the unquantized weight")
+    return None
+
+
 def checked_fp32(w: Tensor, name: str) -> Tensor:
     """`w` as a contiguous fp32 matrix, refusing what no format can store: not 2-D, empty, not floating, NaN/Inf."""
-    if w.dim() != 2 or w.numel() == 0:
-        raise WeightsError(f"{name}.shape", tuple(w.shape), "must be a non-empty 2-D [N, K] matrix",
-                           "quantize each weight matrix separately")
-    if not w.dtype.is_floating_point:
-        raise WeightsError(f"{name}.dtype", w.dtype, "must be a floating-point type", "pass the unquantized weight")
+    if err := matrix_refusal(w, name):
+        raise err
     x = w.float().contiguous()
     check_finite(x, name)
     return x

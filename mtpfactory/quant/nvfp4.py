@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from mtpfactory.errors import WeightsError
-from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite, checked_fp32, to_e4m3
+from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite, checked_fp32, matrix_refusal, to_e4m3
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 NVFP4_BLOCK = 16
@@ -39,6 +39,17 @@ def e2m1_codes(x: Tensor) -> Tensor:
     return (code + 8 * negative).to(torch.uint8)
 
 
+def nvfp4_matrix_refusal(w: Tensor, name: str) -> WeightsError | None:
+    """Why NVFP4 cannot store `w` by its shape and dtype, or None: `matrix_refusal`'s rule, and K a multiple of 16
+    (a block that crossed a row would mix two rows' values)."""
+    if err := matrix_refusal(w, name):
+        return err
+    if w.shape[1] % NVFP4_BLOCK:
+        return WeightsError(f"{name}.shape[1]", w.shape[1], "NVFP4 needs K to be a multiple of 16",
+                            "keep this tensor unquantized or pad K")
+    return None
+
+
 def quantize_nvfp4(w: Tensor, name: str = "weight") -> tuple[Tensor, Tensor, Tensor]:
     """Quantize `w` [N, K] to NVFP4 (K a multiple of 16).
 
@@ -50,11 +61,10 @@ def quantize_nvfp4(w: Tensor, name: str = "weight") -> tuple[Tensor, Tensor, Ten
 
     Returns (weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 0-dim).
     """
+    if err := nvfp4_matrix_refusal(w, name):
+        raise err
     x = checked_fp32(w, name)                                        # [N, K]
     n, k = x.shape
-    if k % NVFP4_BLOCK:
-        raise WeightsError(f"{name}.shape[1]", k, "NVFP4 needs K to be a multiple of 16",
-                           "keep this tensor unquantized or pad K")
     global_scale = x.abs().amax() / (E2M1_MAX * FP8_E4M3_MAX)        # 0-dim
     global_scale = torch.where(global_scale > 0, global_scale, 1.0)
     blocks = x.reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)             # [N, K/16, 16]

@@ -28,6 +28,7 @@ from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError, MtpfError
 from mtpfactory.kernels import moe
 from mtpfactory.quant import E2M1_VALUES
+from backend_refusal import assert_backend_refuses
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -233,12 +234,11 @@ def test_route_refuses_out_that_does_not_fit(backend):
 
 
 def test_route_refuses_more_experts_than_there_are():
-    """top_k above E: the reference would return E columns; it refuses, and no provider takes the call."""
+    """top_k above E: the reference would return E columns; it refuses, under every backend."""
     logits = torch.randn(3, 4)
-    with pytest.raises(InputError, match="top_k=5: from 1 to the 4 experts"):
-        moe.moe_route_softmax(logits, 5, True)
-    with ops.use_backend("triton"), pytest.raises(ConfigError, match="moe_route_softmax"):
-        moe.moe_route_softmax(logits, 5, True)
+    for backend in ("native", "triton"):
+        with ops.use_backend(backend), pytest.raises(InputError, match="top_k=5: from 1 to the 4 experts"):
+            moe.moe_route_softmax(logits, 5, True)
 
 
 # Routing calls the kernel cannot take, as changes to a served one (logits fp32 [3, 9], top_k 2): the logits and
@@ -261,7 +261,8 @@ ROUTE_MISFITS = {
 @pytest.mark.parametrize("case", ROUTE_MISFITS, ids=str)
 def test_route_refusal_names_the_argument(case):
     """One rule (`moe_route_softmax_refusal`) for the predicate, the provider called directly and the error of
-    backend=triton: each call the kernel cannot take is refused naming the argument at fault, nothing written.
+    backend=triton (the reference's own where it refuses the call too): each call the kernel cannot take is
+    refused naming the argument at fault, nothing written.
     The reference refuses the shapes it cannot compute with by the same name, and serves the others."""
     make, top_k, field, ref_field = ROUTE_MISFITS[case]
     logits = make()
@@ -270,8 +271,7 @@ def test_route_refusal_names_the_argument(case):
     with ops.use_backend("triton"):
         assert supports(torch.randn(3, 9), 2, True)
         assert not supports(logits, top_k, True)
-        with pytest.raises(ConfigError, match=f"it refuses {re.escape(field)}="):
-            moe.moe_route_softmax(logits, top_k, True, out=out)
+        assert_backend_refuses(moe.moe_route_softmax, field, logits, top_k, True, out=out)
         with pytest.raises(InputError, match=f"^{re.escape(field)}="):
             moe.moe_route_softmax_triton(logits, top_k, True, out=out)
     assert bool(out[0].isnan().all()) and bool((out[1] == -7).all())
@@ -714,8 +714,9 @@ def rows_apart(codes: torch.Tensor, stride: int) -> torch.Tensor:
 @pytest.mark.parametrize("case", MISFITS, ids=str)
 def test_moe_refusal_names_the_argument(case):
     """One rule per op (`fused_moe_refusal`, `fused_moe_nvfp4_refusal`) for the predicate, the provider called
-    directly and the error of backend=triton: each call the kernels cannot take (the call it was changed from is
-    served) is refused naming the argument at fault, nothing written into `out` or `workspace`. The reference
+    directly and the error of backend=triton (the reference's own where it refuses the call too): each call the
+    kernels cannot take (the call it was changed from is served) is refused naming the argument at fault, nothing
+    written into `out` or `workspace`. The reference
     refuses by name the shapes it cannot compute with (never a torch error from inside), and serves the others."""
     fmt, change, field, ref_field = MISFITS[case]
     op, args = moe_call(fmt, (3, 4, 2, 32, 32), torch.float32, torch.Generator().manual_seed(14))
@@ -725,8 +726,7 @@ def test_moe_refusal_names_the_argument(case):
     with ops.use_backend("triton"):
         assert supports(**args)
         assert not supports(**bad)
-        with pytest.raises(ConfigError, match=f"{op.name} .*it refuses {re.escape(field)}="):
-            op(**bad, **buffers)
+        assert_backend_refuses(op, field, **bad, **buffers)   # the reference's error where it refuses too
         with pytest.raises(InputError, match=f"^{re.escape(field)}="):
             getattr(moe, f"{op.name}_triton")(**bad, **buffers)          # the provider, called directly
     assert all(bool(t.isnan().all()) for t in buffers.values())
@@ -739,11 +739,15 @@ def test_moe_refusal_names_the_argument(case):
 
 
 def test_triton_backend_refuses_what_it_cannot_serve():
-    """Weights in another dtype than x: no Triton provider serves it, and backend=triton says so."""
+    """Weights in another dtype than x: wrong under every backend, so backend=triton raises the reference's
+    error naming them; an fp64 call, which the reference serves and no provider does, gets the backend's."""
     x = torch.randn(2, 32)
     w_gate_up, w_down = experts(4, 32, 32, torch.bfloat16, torch.Generator().manual_seed(0))
-    with ops.use_backend("triton"), pytest.raises(ConfigError, match="fused_moe"):
-        moe.fused_moe(x, w_gate_up, w_down, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64))
+    ids = torch.zeros(2, 1, dtype=torch.int64)
+    with ops.use_backend("triton"), pytest.raises(InputError, match=r"^w_gate_up='bfloat16 \[4, 64, 32\]'"):
+        moe.fused_moe(x, w_gate_up, w_down, torch.ones(2, 1), ids)
+    with ops.use_backend("triton"), pytest.raises(ConfigError, match="op fused_moe has no triton provider"):
+        moe.fused_moe(x.double(), w_gate_up.double(), w_down.double(), torch.ones(2, 1), ids)
 
 
 # --- the real Qwen3-Next shape, on the GPU ---------------------------------------------------------------

@@ -8,8 +8,10 @@ import triton.language as tl
 
 import mtpfactory.kernels  # noqa: F401  (defines every op)
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError
+from mtpfactory.errors import ConfigError, MtpfError
 from mtpfactory.kernels.paged_attention import paged_decode_attention
+
+ACCEPTS = lambda *args, **kwargs: None  # noqa: E731  (an op contract that refuses nothing)
 
 
 def test_every_op_has_a_triton_provider():
@@ -48,7 +50,7 @@ def test_gpu_a_provider_whose_kernel_the_gpu_cannot_load_falls_back_under_auto(m
         _product_kernel[(1,)](a, b, out, a.shape[1], BLOCK=a.shape[0], num_stages=4)
         return out
 
-    op = ops.Op("test_op_product", lambda a, b: a @ b)
+    op = ops.Op("test_op_product", lambda a, b: a @ b, ACCEPTS)
     op.register_provider("triton", launch, lambda a, b: None)
     a, b = torch.randn(128, 512, device="cuda"), torch.randn(512, 128, device="cuda")
     with ops.use_backend("auto"):
@@ -82,3 +84,38 @@ def test_gpu_paged_attention_at_its_largest_tiles_runs_or_falls_back(hq, dtype, 
     torch.testing.assert_close(got, want, **tol)
     fell_back = [r for r in caplog.records if "paged_decode_attention" in r.getMessage()]
     assert len(fell_back) == (hq == 128) and all("shared memory" in r.getMessage() for r in fell_back)
+
+
+def _wrong_everywhere() -> dict:
+    """{case: (op, args, the argument named)}: calls no backend can serve, which the references met with a raw
+    torch error, or ran (a scale of one element, a norm weight of one, broadcast)."""
+    from mtpfactory import kernels as K
+    from mtpfactory.kernels.rope import rope_inv_freq
+    from mtpfactory.quant import quantize_nvfp4
+    x = torch.randn(3, 32)
+    f8 = torch.randn(24, 32).to(torch.float8_e4m3fn)
+    return {
+        "linear K": (K.linear, (x, torch.randn(24, 31)), "weight"),
+        "linear weight dtype": (K.linear, (x, torch.randn(24, 32, dtype=torch.bfloat16)), "weight"),
+        "linear x int": (K.linear, (x.int(), torch.randn(24, 32)), "x"),
+        "linear_fp8 scale [25]": (K.linear_fp8, (x, f8, torch.rand(25)), "weight_scale"),
+        "linear_fp8 scale [1]": (K.linear_fp8, (x, f8, torch.rand(1)), "weight_scale"),
+        "linear_fp8 bf16 weight": (K.linear_fp8, (x, f8.bfloat16(), torch.rand(24)), "weight"),
+        "linear_nvfp4 K": (K.linear_nvfp4, (torch.randn(3, 48), *quantize_nvfp4(torch.randn(24, 32))), "x"),
+        "rms_norm weight [H + 1]": (K.rms_norm, (torch.randn(3, 48), torch.randn(49), 1e-6, False), "weight"),
+        "rms_norm weight [1]": (K.rms_norm, (torch.randn(3, 48), torch.randn(1), 1e-6, False), "weight"),
+        "rope 4-D x, positions of other N": (K.rope_neox, (torch.randn(2, 3, 2, 16), torch.arange(5),
+                                                           rope_inv_freq(8, 1e4)), "positions"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_wrong_everywhere()))
+@pytest.mark.parametrize("backend", ["native", "auto", "triton"])
+def test_calls_wrong_under_every_backend_are_refused_alike(case, backend):
+    """A call no backend can serve is refused by its op's contract under every backend with the same error,
+    naming the argument (`triton` said "no triton provider, use auto", which then raised the reference's error,
+    or a raw torch error from inside the reference)."""
+    op, args, field = _wrong_everywhere()[case]
+    assert op.contract(*args) is not None
+    with ops.use_backend(backend), pytest.raises(MtpfError, match=rf"^{field}="):
+        op(*args)

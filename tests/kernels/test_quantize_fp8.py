@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mtpfactory import ops, quant
-from mtpfactory.errors import ConfigError, InputError, WeightsError
+from mtpfactory.errors import InputError, WeightsError
 from mtpfactory.kernels.quantize_fp8 import divides_by_reciprocal, quantize_fp8, quantize_fp8_triton
 
 DEVICES = [
@@ -113,8 +113,8 @@ def test_refusals(device):
         with ops.use_backend(backend), pytest.raises(WeightsError, match="q_proj.*1 NaN"):
             quantize_fp8(w, "q_proj", out=out)
         assert (out[0].view(torch.uint8) == 0xFF).all() and (out[1].view(torch.int32) == -1).all()
-    with ops.use_backend("triton"), pytest.raises(ConfigError, match="quantize_fp8"):
-        quantize_fp8(torch.ones(8, device=device))                    # 1-D: no provider
+    with ops.use_backend("triton"), pytest.raises(WeightsError, match=r"^weight.shape=\(8,\): must be a non-empty 2-D"):
+        quantize_fp8(torch.ones(8, device=device))                    # 1-D: wrong under every backend, as native says
     with ops.use_backend("triton"), pytest.raises(InputError, match="weight_scale"):
         quantize_fp8(torch.ones(3, 8, device=device), out=(poisoned(3, 8, device)[0], poisoned(4, 8, device)[1]))
 

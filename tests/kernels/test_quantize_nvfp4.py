@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mtpfactory import ops, quant
-from mtpfactory.errors import ConfigError, InputError, WeightsError
+from mtpfactory.errors import InputError, WeightsError
 from mtpfactory.kernels.quantize_fp8 import divides_by_reciprocal
 from mtpfactory.kernels.quantize_nvfp4 import global_absmax_bits, quantize_nvfp4, quantize_nvfp4_triton
 
@@ -176,8 +176,8 @@ def test_refusals(device):
     with ops.use_backend("triton"), pytest.raises(WeightsError, match="lm_head.*1 Inf"):
         quantize_nvfp4(w, "lm_head", out=out)
     assert untouched(out)
-    with ops.use_backend("triton"), pytest.raises(ConfigError, match="quantize_nvfp4"):
-        quantize_nvfp4(torch.ones(2, 24, device=device))               # K not a multiple of 16: no provider
+    with ops.use_backend("triton"), pytest.raises(WeightsError, match=r"^weight.shape\[1\]=24: .*multiple of 16"):
+        quantize_nvfp4(torch.ones(2, 24, device=device))               # K not a multiple of 16: wrong everywhere
     for bad, what in ((torch.ones(2, 24, device=device), r"w\.shape\[1\]=24: .*multiple of 16"),
                       (torch.ones(2, 2, 16, device=device), r"w='torch.float32 \(2, 2, 16\)': a 2-D")):
         with pytest.raises(WeightsError, match=what):                  # the provider called directly
