@@ -51,10 +51,13 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.P
     builder = _head_builder(cfg)
     builder.check(cfg)
     if weights is None and cfg.weights.source == "checkpoint":
-        if cfg.weights.path is None:
-            raise ConfigError("weights.path", None, "weights=checkpoint reads the checkpoint directory weights.path",
-                              "add weights.path=DIR, or pass the directory to build_head")
+        if not cfg.weights.path:
+            raise ConfigError("weights.path", cfg.weights.path, "weights=checkpoint reads the checkpoint directory "
+                              "weights.path", "add weights.path=DIR, or pass the directory to build_head")
         weights = cfg.weights.path
+    if weights is None and cfg.weights.source == "synthetic" and cfg.weights.path is not None:
+        raise ConfigError("weights.path", cfg.weights.path, "read only with weights=checkpoint (these are "
+                          "weights=synthetic: the path would go unread)", "add weights=checkpoint, or drop weights.path")
     if weights is None:
         if cfg.weights.source != "synthetic":
             raise ConfigError("weights.source", cfg.weights.source, "allowed: synthetic, checkpoint",
@@ -70,7 +73,8 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.P
         raise ConfigError("weights", type(weights).__name__,
                           "a mapping of checkpoint names to tensors, a checkpoint directory, or None",
                           "pass a dict of tensors or the checkpoint's directory")
-    ctx = BuildContext(cfg, TensorSource(weights, origin), runtime_dtype(cfg), runtime_device(cfg))
+    ctx = BuildContext(cfg, TensorSource(weights, origin, mapped=isinstance(weights, SafetensorsCheckpoint)),
+                       runtime_dtype(cfg), runtime_device(cfg))
     # Quantizing at build time runs the same ops as the forward: under the configured backend, on the head's GPU.
     with ops.running(cfg.runtime.backend, ctx.device):
         head = builder.build(ctx)

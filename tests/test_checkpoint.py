@@ -86,10 +86,38 @@ def test_a_directory_without_safetensors_is_refused(tmp_path):
 
 
 def test_weights_checkpoint_without_a_path_says_to_add_one():
-    cfg = mtpfactory.compose("+head=dense", "weights=checkpoint")
-    with pytest.raises(ConfigError) as e:
+    for path in (None, ""):     # an empty path read the working directory
+        cfg = mtpfactory.compose("+head=dense", "weights=checkpoint", *(() if path is None else ("weights.path=''",)))
+        with pytest.raises(ConfigError) as e:
+            mtpfactory.build_head(cfg)
+        assert (e.value.field, e.value.value) == ("weights.path", path) and "add weights.path=DIR" in str(e.value)
+    with pytest.raises(WeightsError, match="^weights.path='': not a directory"):
+        mtpfactory.build_head(mtpfactory.compose("+head=dense"), "")
+
+
+def test_a_path_beside_synthetic_weights_is_refused(tmp_path):
+    """weights.path without weights=checkpoint built from synthetic weights, silently: the drafts were noise."""
+    cfg = mtpfactory.compose("+head=dense", f"weights.path={tmp_path}")
+    with pytest.raises(ConfigError, match=r"^weights.path='.*': read only with weights=checkpoint.*add "
+                                          r"weights=checkpoint, or drop weights.path"):
         mtpfactory.build_head(cfg)
-    assert (e.value.field, e.value.value) == ("weights.path", None) and "add weights.path=DIR" in str(e.value)
+
+
+def test_a_head_built_from_a_file_owns_its_weights(tmp_path):
+    """A tensor read in its stored dtype was the file's memory map: new bytes written into the file changed the
+    built head's logits, and a file cut short ended the process (SIGBUS). The head copies them."""
+    cfg = mtpfactory.compose("+head=dense", "runtime.dtype=float32", "runtime.device=cpu")
+    file = tmp_path / "model.safetensors"
+    save_file({n: t.float().contiguous() for n, t in qwen_mtp_weights(cfg.model, "dense", seed=3).items()}, file)
+    head = mtpfactory.build_head(cfg, tmp_path)
+    args = (torch.tensor([5]), torch.randn(1, cfg.model.hidden_size, generator=torch.Generator().manual_seed(0)),
+            torch.tensor([0]))
+    before = head.step(torch.tensor([0]), *args)[0]
+    other = tmp_path / "other.safetensors"
+    save_file({n: t.float().contiguous() for n, t in qwen_mtp_weights(cfg.model, "dense", seed=4).items()}, other)
+    with open(file, "r+b") as f:            # the same layout, other values, written in place (the same inode)
+        f.write(other.read_bytes())
+    assert torch.equal(head.step(torch.tensor([1]), *args)[0], before)
 
 
 def _moe_cfg(*overrides):
@@ -170,6 +198,8 @@ def test_the_lm_head_shares_the_callers_tensor_unless_the_vocab_is_cut(vocab):
     ({"text_config": {"rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.5}}}, "partial_rotary_factor"),
     ({"num_experts_per_tok": 10}, "num_experts_per_tok"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings"),     # the checkpoint carries lm_head.weight too
+    # the multimodal releases write it at the top, beside text_config (it went unchecked there)
+    ({"tie_word_embeddings": True, "text_config": {"rope_theta": 1e7}}, "tie_word_embeddings"),
     ({"text_config": None, "tie_word_embeddings": False}, None),
     ({"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_type": "default"}}, None),
     ({"text_config": {"rope_parameters": {"rope_type": "default", "mrope_section": [11, 11, 10],
@@ -208,14 +238,24 @@ def _moe_file(folder, name="model.safetensors", **changes):
     return cfg
 
 
-@pytest.mark.parametrize("case", ["index not json", "index without weight_map", "config not json",
-                                  "config a list", "a config field a string", "a corrupt file",
-                                  "a pickle named .safetensors"])
+@pytest.mark.parametrize("case", ["index not json", "index without weight_map", "index weight_map empty",
+                                  "index weight_map a null", "index weight_map a number", "config not json",
+                                  "config a list", "a config field a string", "a config field of 400 digits",
+                                  "config rope_parameters a string", "config rope_scaling a string",
+                                  "a corrupt file", "a pickle named .safetensors"])
 def test_malformed_files_are_refused_naming_the_file(tmp_path, case):
-    """Each is a WeightsError naming the file (a refusal row in a sweep), not a parser's own exception."""
+    """Each is a WeightsError naming the file (a refusal row in a sweep), not a parser's own exception (a
+    TypeError, an AttributeError, an OverflowError), nor a false one (an empty weight_map was "no
+    *.safetensors files")."""
     cfg = _moe_file(tmp_path, "model-00001-of-00001.safetensors")
     bad = {"index not json": ("model.safetensors.index.json", "{"),
            "index without weight_map": ("model.safetensors.index.json", '{"metadata": {}}'),
+           "index weight_map empty": ("model.safetensors.index.json", '{"weight_map": {}}'),
+           "index weight_map a null": ("model.safetensors.index.json", '{"weight_map": {"mtp.fc.weight": null}}'),
+           "index weight_map a number": ("model.safetensors.index.json", '{"weight_map": {"mtp.fc.weight": 1}}'),
+           "a config field of 400 digits": ("config.json", '{"rope_theta": 1' + "0" * 400 + "}"),
+           "config rope_parameters a string": ("config.json", '{"rope_parameters": "default"}'),
+           "config rope_scaling a string": ("config.json", '{"rope_scaling": "linear"}'),
            "config not json": ("config.json", "rope_theta: 1e7"),
            "config a list": ("config.json", "[]"),
            "a config field a string": ("config.json", '{"rope_theta": "1e7"}'),
@@ -227,7 +267,7 @@ def test_malformed_files_are_refused_naming_the_file(tmp_path, case):
         (tmp_path / bad[0]).write_text(bad[1])
     with pytest.raises(WeightsError) as e:
         mtpfactory.build_head(cfg, tmp_path)
-    assert bad[0] in str(e.value) and "Fix: " in str(e.value)
+    assert bad[0] in str(e.value) and "Fix: " in str(e.value) and "holds no *.safetensors" not in str(e.value)
 
 
 def test_a_tensor_in_two_files_of_an_unindexed_directory_is_refused_naming_both(tmp_path):

@@ -28,10 +28,18 @@ CONFIG_FIELDS = ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "norm_to
                  "tie_word_embeddings")
 
 
+def _json_number(v: object) -> bool:
+    """A finite JSON number a float holds (true and false count: bools are ints). An integer of 400 digits made
+    the comparison overflow; a quoted one went unchecked."""
+    if isinstance(v, int):
+        return abs(v) < 2**1024
+    return isinstance(v, float) and math.isfinite(v)
+
+
 class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if not self.path.is_dir():
+        if not str(path) or not self.path.is_dir():     # Path("") is the working directory
             raise WeightsError("weights.path", str(path), "not a directory",
                                "pass the checkpoint's directory (the one holding *.safetensors)")
         # One open handle per file for the checkpoint's lifetime: opening parses the whole header (16 ms at
@@ -42,6 +50,12 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise WeightsError(INDEX, type(weight_map).__name__, "a weight_map object of tensor name -> shard file",
+                                   f"re-download {INDEX}, or delete it to read every *.safetensors file")
+            if bad := next(((name, f) for name, f in weight_map.items() if not isinstance(f, str) or not f), None):
+                raise WeightsError(f"{INDEX} weight_map[{bad[0]!r}]", json.dumps(bad[1])[:80], "a shard file name",
+                                   f"re-download {INDEX}, or delete it to read every *.safetensors file")
+            if not weight_map:
+                raise WeightsError(f"{INDEX} weight_map", "{}", "the checkpoint's tensor names, each with its shard",
                                    f"re-download {INDEX}, or delete it to read every *.safetensors file")
             self._where = {name: self.path / f for name, f in weight_map.items()}
             self._check_index()
@@ -86,7 +100,14 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         if not isinstance(text, dict):
             raise WeightsError("config.json text_config", type(text).__name__, "an object of the text model's fields",
                                "re-download config.json")
-        found = {**(text.get("rope_parameters") or {}), **text}
+        for field in ("rope_parameters", "rope_scaling"):
+            if text.get(field) is not None and not isinstance(text[field], dict):
+                raise WeightsError(f"config.json {field}", json.dumps(text[field])[:80], "an object (or null)",
+                                   "re-download config.json")
+        # the text model's fields first, then its rope_parameters, then the top level's (the multimodal releases
+        # write tie_word_embeddings there, beside text_config)
+        outer = {f: top[f] for f in CONFIG_FIELDS if f in top} if text is not top else {}
+        found = {**outer, **(text.get("rope_parameters") or {}), **text}
         scaling = found.get("rope_scaling") or {}
         kind = scaling.get("rope_type", scaling.get("type")) or found.get("rope_type")
         if kind not in (None, "default", "mrope"):   # MRoPE with text positions (t = h = w) is plain RoPE
@@ -95,7 +116,7 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
                               "use a config without rope_scaling (as the released checkpoints ship)")
         for field in CONFIG_FIELDS:
             want, have = found.get(field), model.get(field)
-            if want is not None and not isinstance(want, (int, float)):  # e.g. "1e7": it would go unchecked
+            if want is not None and not _json_number(want):  # e.g. "1e7": it would go unchecked
                 raise WeightsError(f"config.json {field}", json.dumps(want)[:80], "a JSON number (true or false "
                                    "for a flag), as the releases write it", f"write {field} unquoted in "
                                    f"{file}, or remove it to leave it unchecked")

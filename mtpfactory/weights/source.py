@@ -36,9 +36,13 @@ class TensorSource:
     shape (one element broadcast, so a checkpoint without its experts does not allocate them), and `finish`
     refuses naming every missing tensor, so a user fixes a checkpoint in one round."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], origin: str = "the weights") -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], origin: str = "the weights", mapped: bool = False) -> None:
+        """`mapped`: the tensors are views of files (a checkpoint read through safetensors' memory map); `take`
+        copies one its conversion would leave a view, so a head never reads a file that changes after its build
+        (a file cut short under it ended the process with SIGBUS)."""
         self._tensors = tensors
         self.origin = origin
+        self.mapped = mapped
         self.read: set[str] = set()
         self.missing: list[str] = []
 
@@ -75,6 +79,8 @@ class TensorSource:
             raise WeightsError(f"{key}.shape", tuple(t.shape), f"expected {tuple(shape)}",
                                "check that the model preset matches the checkpoint's config.json")
         out = t.to(device=device, dtype=dtype).contiguous()
+        if self.mapped and out.data_ptr() == t.data_ptr():   # no conversion: still the file's pages
+            out = out.clone()
         # Checked after the conversion: a finite value past the runtime dtype's range becomes inf there.
         if not bool(torch.isfinite(out).all()):
             if bad := int((~torch.isfinite(t)).sum()):
