@@ -414,6 +414,14 @@ def test_integer_weight_is_refused(dtype):
     refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}='{dtype}'", "integers")
 
 
+def test_complex_weight_is_refused_as_complex():
+    """A complex tensor was refused as "stored as integers"."""
+    cfg = mtpfactory.compose("+head=dense", *CPU)
+    name = "mtp.layers.0.mlp.down_proj.weight"
+    w = dense_weights(**{name: torch.ones(64, 96, dtype=torch.complex64)})
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}='torch.complex64': complex numbers")
+
+
 def test_nvfp4_modelopt_weight_says_what_it_is():
     cfg = mtpfactory.compose("+head=dense", *CPU)
     name = "mtp.layers.0.self_attn.q_proj.weight"  # [128, 64] as NVFP4: codes [128, 32], scales [128, 4]

@@ -207,8 +207,9 @@ def check_ffn_form(ctx: BuildContext, form: str) -> None:
     w, name = ctx.weights, ctx.cfg.head.name
     if not w.mtp_names():
         raise WeightsError("weights", w.origin, f"holds no mtp.* tensors ({len(w)} tensors; none under "
-                           f"{', '.join(MTP_PREFIXES)}): this export dropped the MTP layer",
-                           f"use a checkpoint that keeps it (head {name} builds from the MTP layer)")
+                           f"{', '.join(MTP_PREFIXES)}): this export dropped the MTP layer, or its index does not "
+                           "list the file that holds it", f"use a checkpoint that keeps it (head {name} builds from "
+                           "the MTP layer), or list that file's tensors in the index's weight_map")
     dense = w.has(LAYER + "mlp.gate_proj.weight")
     moe = w.has(LAYER + "mlp.gate.weight")
     fp8 = w.has(LAYER + "mlp.experts.0.gate_proj.weight_scale_inv")

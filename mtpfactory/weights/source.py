@@ -96,6 +96,9 @@ class TensorSource:
         """Refuse a tensor stored in a format these heads do not read: integer or FP8 codes, or a weight
         that a bias or scale beside it modifies."""
         stem = key.removesuffix(".weight")
+        if t.is_complex():
+            raise WeightsError(key, str(t.dtype), "complex numbers where this head reads real floating-point "
+                               "weights", "re-export the tensor as bf16 or fp32")
         if not t.is_floating_point():
             if t.dtype == torch.uint8 and stem + ".weight_scale_2" in self._tensors:
                 raise WeightsError(key, str(t.dtype), "packed NVFP4 codes with weight_scale_2 beside them: an NVFP4 "
