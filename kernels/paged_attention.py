@@ -428,13 +428,13 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     return None
 
 
-def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None, block_n: int | None, num_warps: int,
-                   fast_dot: bool | None, num_stages: int | None = None) -> InputError | None:
+def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None, block_n: int | None,
+                   num_warps: int, fast_dot: bool | None, num_stages: int | None = None) -> InputError | None:
     """Why `paged_decode_attention_triton` cannot launch with these tuning arguments (which the op does not
-    take), or None: num_splits None or 1 to 65535 (the grid), its partials under 2^31 elements; block_n None or a power
-    of two >= 16 (tl.dot) whose [block_n, D] and [q_heads / kv_heads, block_n] tiles (padded) hold at most 2^20
-    elements; num_warps 1, 2, 4, 8, 16 or 32; fast_dot None or a bool; num_stages None or 1 to 8. Asked on operands
-    `paged_decode_attention_refusal` passed."""
+    take), or None: num_splits None or 1 to 65535 (the grid), its partials under 2^31 elements; block_n None or
+    a power of two >= 16 (tl.dot) whose [block_n, D] and [q_heads / kv_heads, block_n] tiles (padded) hold at
+    most 2^20 elements; num_warps 1, 2, 4, 8, 16 or 32; fast_dot None or a bool; num_stages None or 1 to 8.
+    Asked on operands `paged_decode_attention_refusal` passed."""
     g_pad, d_pad = _pads(q, k_cache)
     # the splits' partials [B, kv_heads, splits, G_PAD, D_PAD] (fp32) are addressed in int32
     most = max(1, min(_MAX_PROGRAMS, (2**31 - 1) // max(1, q.shape[0] * k_cache.shape[2] * g_pad * d_pad)))
@@ -446,8 +446,7 @@ def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | Non
                                     and block_n * max(g_pad, d_pad) <= _MAX_BLOCK):
         rows = max(g_pad, d_pad)
         return InputError("block_n", block_n, f"a power of two >= 16 (tl.dot), at most {_MAX_BLOCK // rows} here (a "
-                          f"tile of {rows} rows holds at most {_MAX_BLOCK} elements)",
-                          "leave block_n=None")
+                          f"tile of {rows} rows holds at most {_MAX_BLOCK} elements)", "leave block_n=None")
     if not _whole(num_warps) or num_warps not in _WARPS:
         return InputError("num_warps", num_warps, f"one of {', '.join(map(str, _WARPS))}", "leave num_warps=4")
     if fast_dot is not None and not isinstance(fast_dot, bool):
@@ -469,10 +468,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     """The Triton provider; same arguments as the reference (`out`: written in place and returned, any
     strides), plus `num_splits` (context splits per sequence; None picks from the GPU's size, 1 on the CPU),
     `block_n` (tokens per tile, a power of two >= 16; None: `_default_block_n`, 32 but where the tile passes
-    32 KiB), `num_warps` and `num_stages` (the software pipeline's
-    depth over the context loop; None: `_tuning_defaults`, 1 for an FP8 cache). Never synchronizes with the host, so
-    it cannot refuse what the reference refuses: a context length past the block table is clamped to it, and
-    a block id out of range drops its tokens (nothing is read out of bounds).
+    32 KiB), `num_warps` and `num_stages` (the software pipeline's depth over the context loop; None:
+    `_tuning_defaults`, 1 for an FP8 cache). Never synchronizes with the host, so it cannot refuse what the
+    reference refuses: a context length past the block table is clamped to it, and a block id out of range
+    drops its tokens (nothing is read out of bounds).
 
     The dots' dtype is `_dot_dtype`'s: fp32 without `fast_dot`; with it fp16 for an FP8 cache (tf32's
     numerics, without converting each value on to fp32) and q's dtype for a 16-bit cache of it, the

@@ -57,7 +57,8 @@ def build_head(cfg: DictConfig, weights: Mapping[str, torch.Tensor] | str | os.P
         weights = cfg.weights.path
     if weights is None and cfg.weights.source == "synthetic" and cfg.weights.path is not None:
         raise ConfigError("weights.path", cfg.weights.path, "read only with weights=checkpoint (these are "
-                          "weights=synthetic: the path would go unread)", "add weights=checkpoint, or drop weights.path")
+                          "weights=synthetic: the path would go unread)",
+                          "add weights=checkpoint, or drop weights.path")
     if weights is None:
         if cfg.weights.source != "synthetic":
             raise ConfigError("weights.source", cfg.weights.source, "allowed: synthetic, checkpoint",

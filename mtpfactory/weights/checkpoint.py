@@ -36,6 +36,16 @@ def _json_number(v: object) -> bool:
     return isinstance(v, float) and math.isfinite(v)
 
 
+def _object_or_none(fields: dict, name: str) -> dict:
+    """config.json's object `name` ({} where absent or null), or a refusal naming it (a string there ended in
+    Python's own TypeError or AttributeError)."""
+    value = fields.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise WeightsError(f"config.json {name}", json.dumps(value)[:80], "an object (or null)",
+                           "re-download config.json")
+    return value or {}
+
+
 class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -100,15 +110,11 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         if not isinstance(text, dict):
             raise WeightsError("config.json text_config", type(text).__name__, "an object of the text model's fields",
                                "re-download config.json")
-        for field in ("rope_parameters", "rope_scaling"):
-            if text.get(field) is not None and not isinstance(text[field], dict):
-                raise WeightsError(f"config.json {field}", json.dumps(text[field])[:80], "an object (or null)",
-                                   "re-download config.json")
         # the text model's fields first, then its rope_parameters, then the top level's (the multimodal releases
         # write tie_word_embeddings there, beside text_config)
         outer = {f: top[f] for f in CONFIG_FIELDS if f in top} if text is not top else {}
-        found = {**outer, **(text.get("rope_parameters") or {}), **text}
-        scaling = found.get("rope_scaling") or {}
+        found = {**outer, **_object_or_none(text, "rope_parameters"), **text}
+        scaling = _object_or_none(found, "rope_scaling")
         kind = scaling.get("rope_type", scaling.get("type")) or found.get("rope_type")
         if kind not in (None, "default", "mrope"):   # MRoPE with text positions (t = h = w) is plain RoPE
             raise ConfigError("config.json rope scaling", kind, "the heads apply default RoPE only (theta and the "
