@@ -17,8 +17,10 @@ FP8_E4M3_MAX = 448.0
 
 
 def matrix_refusal(w: Tensor, name: str) -> WeightsError | None:
-    """Why no format can store `w` by its shape and dtype, or None: not 2-D, empty, not floating (its values are
-    checked apart, `check_finite`: reading them waits on a GPU)."""
+    """Why no format can store `w` by its shape and dtype, or None: not a tensor, not 2-D, empty, not floating
+    (its values are checked apart, `check_finite`: reading them waits on a GPU)."""
+    if not isinstance(w, Tensor):
+        return WeightsError(name, type(w).__name__, "a torch.Tensor", f"convert it: torch.as_tensor({name})")
     if w.dim() != 2 or w.numel() == 0:
         return WeightsError(f"{name}.shape", tuple(w.shape), "must be a non-empty 2-D [N, K] matrix",
                             "quantize each weight matrix separately")
@@ -28,12 +30,43 @@ def matrix_refusal(w: Tensor, name: str) -> WeightsError | None:
 
 
 def checked_fp32(w: Tensor, name: str) -> Tensor:
-    """`w` as a contiguous fp32 matrix, refusing what no format can store: not 2-D, empty, not floating, NaN/Inf."""
+    """`w` as a contiguous fp32 matrix outside autograd (a parameter's graph kept fp32 copies of the weight alive
+    behind the quantized one), refusing what no format can store: not 2-D, empty, not floating, NaN/Inf, a
+    finite float64 value past fp32's range (the scales are computed in fp32)."""
     if err := matrix_refusal(w, name):
         raise err
+    w = w.detach()
+    check_finite(w, name)
     x = w.float().contiguous()
-    check_finite(x, name)
+    if w.dtype == torch.float64 and not bool(torch.isfinite(x).all()):
+        raise WeightsError(name, f"{int((~torch.isfinite(x)).sum())} values past the range of fp32",
+                           f"|w| <= {torch.finfo(torch.float32).max:.4g}: the formats' scales are computed in fp32",
+                           "rescale the tensor, or check the export that produced it")
     return x
+
+
+def scale_refusal(name: str, scale: object) -> WeightsError | None:
+    """Why `scale` cannot be read as scale values, or None: a floating-point tensor (an integer or bool one, or an
+    int32 view of an fp32 table, would be read as its bytes' numbers; a Python number has no shape to check)."""
+    if not isinstance(scale, Tensor) or not scale.is_floating_point():
+        got = f"{scale.dtype} {tuple(scale.shape)}" if isinstance(scale, Tensor) else type(scale).__name__
+        return WeightsError(name, got, "a floating-point tensor of the scale values, as the checkpoint stores them",
+                            f"pass the checkpoint's {name} as stored (its raw bytes: .view(torch.float32), or "
+                            ".view(torch.float8_e4m3fn) for E4M3 bytes)")
+    return None
+
+
+def as_dtype(out: Tensor, dtype: torch.dtype, name: str) -> Tensor:
+    """A finite fp32 dequantization `out` as `dtype`, refusing values past dtype's range (they became inf)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise WeightsError("dtype", dtype, "a floating-point dtype",
+                           "use torch.float32, torch.bfloat16 or torch.float16")
+    y = out.to(dtype)
+    if dtype.itemsize < 4 and not bool(torch.isfinite(y).all()):
+        raise WeightsError(name, f"{int((~torch.isfinite(y)).sum())} values past the range of {dtype} after "
+                           f"dequantization", f"|w| <= {torch.finfo(dtype).max:.4g} in {dtype}",
+                           "dequantize to torch.float32 (or torch.bfloat16, whose range is fp32's)")
+    return y
 
 
 def check_finite(x: Tensor, name: str, where: str = "") -> None:
@@ -71,7 +104,7 @@ def _expand(scale: Tensor, block: int, n: int, k: int) -> Tensor:
 
 
 def _check_block(block: int) -> None:
-    if not isinstance(block, int) or block < 1:
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise WeightsError("block", block, "the tile size must be a positive integer", "use 128, the checkpoints' tile")
 
 
@@ -89,13 +122,15 @@ def dequantize_fp8(weight: Tensor, weight_scale: Tensor, dtype: torch.dtype = to
                    name: str = "weight") -> Tensor:
     """`weight.float() * weight_scale[:, None]`, computed in fp32, returned as `dtype` [N, K]."""
     _check_fp8_weight(weight, name)
+    if err := scale_refusal(f"{name}_scale", weight_scale):
+        raise err
     n = weight.shape[0]
     if tuple(weight_scale.shape) != (n,):
         raise WeightsError(f"{name}_scale.shape", tuple(weight_scale.shape), f"per-row scales must be [N] = [{n}]",
                            "expand a per-tensor scalar to [N] at load; block tables go to dequantize_fp8_block")
     out = weight.float() * weight_scale.float()[:, None]             # [N, K]
     check_finite(out, name, " after dequantization (in the stored values or their scales)")
-    return out.to(dtype)
+    return as_dtype(out, dtype, name)
 
 
 def quantize_fp8_block(w: Tensor, block: int = 128, name: str = "weight") -> tuple[Tensor, Tensor]:
@@ -120,6 +155,8 @@ def dequantize_fp8_block(weight: Tensor, weight_scale_inv: Tensor, block: int = 
     (fp32 or bf16), computed in fp32, returned as `dtype` [N, K]."""
     _check_block(block)
     _check_fp8_weight(weight, name)
+    if err := scale_refusal(f"{name}_scale_inv", weight_scale_inv):
+        raise err
     n, k = weight.shape
     tiles = _tiles(n, k, block)
     if tuple(weight_scale_inv.shape) != tiles:
@@ -128,4 +165,4 @@ def dequantize_fp8_block(weight: Tensor, weight_scale_inv: Tensor, block: int = 
                            "check the tile size (block=) or that the scale belongs to this weight")
     out = weight.float() * _expand(weight_scale_inv.float(), block, n, k)  # [N, K]
     check_finite(out, name, " after dequantization (in the stored values or their scales)")
-    return out.to(dtype)
+    return as_dtype(out, dtype, name)

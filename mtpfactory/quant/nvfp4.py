@@ -13,7 +13,15 @@ import torch
 from torch import Tensor
 
 from mtpfactory.errors import WeightsError
-from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite, checked_fp32, matrix_refusal, to_e4m3
+from mtpfactory.quant.fp8 import (
+    FP8_E4M3_MAX,
+    as_dtype,
+    check_finite,
+    checked_fp32,
+    matrix_refusal,
+    scale_refusal,
+    to_e4m3,
+)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 NVFP4_BLOCK = 16
@@ -99,6 +107,8 @@ def dequantize_nvfp4(weight: Tensor, weight_scale: Tensor, weight_scale_2: Tenso
         raise WeightsError(f"{name}_scale.shape", tuple(weight_scale.shape),
                            f"a [{n}, {k}] NVFP4 weight needs [N, K/16] = [{n}, {k // NVFP4_BLOCK}] block scales",
                            "check that the scale belongs to this weight and is not swizzled")
+    if err := scale_refusal(f"{name}_scale_2", weight_scale_2):
+        raise err
     if weight_scale_2.numel() != 1:
         raise WeightsError(f"{name}_scale_2.shape", tuple(weight_scale_2.shape), "must hold one fp32 number",
                            "pass the per-tensor scale")
@@ -107,4 +117,4 @@ def dequantize_nvfp4(weight: Tensor, weight_scale: Tensor, weight_scale_2: Tenso
     scale = weight_scale.float().repeat_interleave(NVFP4_BLOCK, dim=1)      # [N, K]
     out = values * scale * weight_scale_2.float().reshape(())               # (value * scale) first: exact
     check_finite(out, name, " after dequantization (in the stored scales)")
-    return out.to(dtype)
+    return as_dtype(out, dtype, name)

@@ -158,3 +158,41 @@ def test_refuses_non_fp8_weights_and_bad_tiles():
         dequantize_fp8(torch.zeros(2, 4, dtype=torch.uint8), torch.ones(2))
     with pytest.raises(WeightsError, match=r"^block=0"):
         quantize_fp8_block(torch.ones(2, 4), block=0)
+
+
+def test_dequantizing_past_the_output_dtypes_range_is_refused():
+    """fp16 output of a value past 65504 was inf, silently: the finite check ran on the fp32 product."""
+    q, s = quantize_fp8(torch.tensor([[1e6, 1.0]]))
+    qb, sb = quantize_fp8_block(torch.full((1, 1), 1e6))
+    for call in (lambda: dequantize_fp8(q, s, dtype=torch.float16),
+                 lambda: dequantize_fp8_block(qb, sb, dtype=torch.float16)):
+        with pytest.raises(WeightsError, match=r"^weight='1 values past the range of torch.float16.*torch.float32"):
+            call()
+    assert dequantize_fp8(q, s, dtype=torch.bfloat16).isfinite().all()
+    with pytest.raises(WeightsError, match=r"^dtype=torch.int32: a floating-point dtype"):
+        dequantize_fp8(q, s, dtype=torch.int32)
+
+
+def test_scales_that_are_not_floating_point_tensors_are_refused():
+    """An int32 view of an fp32 table has its shape and was read as its bytes' numbers (4e11 for 0.08)."""
+    q, s = quantize_fp8(torch.randn(4, 8) * 0.02)
+    qb, sb = quantize_fp8_block(torch.randn(256, 256) * 0.02)
+    for call, name in ((lambda: dequantize_fp8(q, s.view(torch.int32)), "weight_scale"),
+                       (lambda: dequantize_fp8_block(qb, sb.view(torch.int32)), "weight_scale_inv"),
+                       (lambda: dequantize_fp8_block(qb, torch.ones(2, 2, dtype=torch.bool)), "weight_scale_inv")):
+        with pytest.raises(WeightsError, match=rf"^{name}='torch.(int32|bool) .*a floating-point tensor"):
+            call()
+
+
+def test_quantizing_a_parameter_keeps_no_graph_and_float64_past_fp32_is_named():
+    """A parameter's outputs carried a grad_fn holding fp32 copies of the weight; a finite float64 value past
+    fp32's range was refused as "0 NaN, 1 Inf ... a corrupt or diverged tensor"."""
+    weight = torch.nn.Parameter(torch.randn(8, 32))
+    for out in (*quantize_fp8(weight), *quantize_fp8_block(weight, 16)):
+        assert out.grad_fn is None and not out.requires_grad
+    with pytest.raises(WeightsError, match=r"^weight='1 values past the range of fp32'"):
+        quantize_fp8(torch.tensor([[1e39, 1.0]], dtype=torch.float64))
+    with pytest.raises(WeightsError, match=r"^weight='ndarray': a torch.Tensor"):
+        quantize_fp8(torch.ones(2, 16).numpy())
+    with pytest.raises(WeightsError, match=r"^block=True"):
+        quantize_fp8_block(torch.ones(2, 16), True)

@@ -216,3 +216,16 @@ def test_dequantize_reads_scales_as_values_and_refuses_their_raw_bytes():
     assert torch.equal(dequantize_nvfp4(weight, scale.float(), scale_2), want)
     with pytest.raises(WeightsError, match=r"^w_scale=.*uint8.*\.view\(torch\.float8_e4m3fn\)"):
         dequantize_nvfp4(weight, scale.view(torch.uint8), scale_2, name="w")
+
+
+def test_dequantize_refuses_overflow_in_the_output_dtype_and_a_scale_2_that_is_not_a_float_tensor():
+    """fp16 output of 1e6 was inf, silently; an int32 view of weight_scale_2 was read as 1e9, and a Python float
+    raised AttributeError."""
+    packed, scale, scale_2 = quantize_nvfp4(torch.full((1, 16), 1e6))
+    with pytest.raises(WeightsError, match=r"^weight='16 values past the range of torch.float16"):
+        dequantize_nvfp4(packed, scale, scale_2, dtype=torch.float16)
+    for bad, got in ((scale_2.view(torch.int32), "torch.int32"), (0.5, "float")):
+        with pytest.raises(WeightsError, match=rf"^weight_scale_2='{got}.*a floating-point tensor"):
+            dequantize_nvfp4(packed, scale, bad)
+    weight = torch.nn.Parameter(torch.randn(4, 32))
+    assert all(t.grad_fn is None for t in quantize_nvfp4(weight))
