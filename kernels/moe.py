@@ -55,8 +55,8 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.linear import dot_acc, lowp_dot
 from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, nvfp4_words, permuted_x, words_refusal
-from mtpfactory.ops import Op, check_out, check_outs, write_outs
-from mtpfactory.quant import dequantize_nvfp4
+from mtpfactory.ops import Op, check_out, check_outs, overlaps, write_outs
+from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_ROUTED_EXPERTS = 8192  # one program holds a row of router logits
@@ -189,6 +189,12 @@ def _check_moe_args(x, top_k, inter, shared_out, shared_gate, out, workspace) ->
         check_out(out, x.shape, x.dtype, x.device, layout="rows")   # the kernels step between rows by the stride
     if workspace is not None:
         check_out(workspace, (x.shape[0] * top_k, inter), x.dtype, x.device, "workspace", "contiguous")
+        # the kernels write it while they read x and shared_out and write out: shared memory gave wrong results
+        for name, t in (("x", x), ("out", out), ("shared_out", shared_out), ("shared_gate", shared_gate)):
+            if t is not None and overlaps(workspace, t):
+                raise InputError("workspace", f"memory shared with {name}", "scratch of its own (the kernels write "
+                                 "it while they read x and shared_out and write out)",
+                                 "pass a workspace of its own, or none (the provider allocates one)")
 
 
 # The shape rules. The references check what they index and broadcast (`_route_shape_refusal`,
@@ -284,13 +290,22 @@ def _nvfp4_shape_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale,
         return InputError("dn_weight", _desc(dn_weight), f"NVFP4 down rows, two codes a byte: [E, H, I/2] = "
                           f"[{e}, {h}, {i / 2:g}] (E and 2I from gu_weight)",
                           "pass the same experts' packed down codes")
-    if gu_global.dim() < 2 or gu_global.shape[0] < e or gu_global.shape[1] < 2:
-        return InputError("gu_global", _desc(gu_global), f"[E, 2] = [{e}, 2]: each expert's gate and up global "
-                          "scales", "pass the gate and up weight_scale_2 of each expert, stacked")
-    for name, t in (("gu_scale", gu_scale), ("dn_scale", dn_scale), ("dn_global", dn_global)):
-        if t.dim() == 0 or t.shape[0] < e:
-            return InputError(name, _desc(t), f"one entry for each of the E = {e} experts of gu_weight, along dim 0",
-                              f"pass the {name} of the same experts")
+    for name, t in (("gu_weight", gu_weight), ("dn_weight", dn_weight)):
+        if t.dtype != torch.uint8:
+            return InputError(name, _desc(t), "uint8 codes, two a byte (the checkpoint's packed weight)",
+                              f"pass {name} as stored (raw bytes of another dtype: .view(torch.uint8))")
+    if gu_global.dim() != 2 or gu_global.shape[0] < e or gu_global.shape[1] < 2 or not gu_global.is_floating_point():
+        return InputError("gu_global", _desc(gu_global), f"a float [E, 2] = [{e}, 2] tensor: each expert's gate and "
+                          "up global scales", "pass the gate and up weight_scale_2 of each expert, stacked")
+    if dn_global.dim() != 1 or dn_global.shape[0] < e or not dn_global.is_floating_point():
+        return InputError("dn_global", _desc(dn_global), f"a float [E] = [{e}] tensor: each expert's down global scale",
+                          "pass the down weight_scale_2 of each expert, stacked")
+    for name, t, rows, k in (("gu_scale", gu_scale, 2 * i, h), ("dn_scale", dn_scale, h, i)):
+        if (t.dim() != 3 or t.shape[0] < e or tuple(t.shape[1:]) != (rows, k // NVFP4_BLOCK)
+                or not t.is_floating_point()):
+            return InputError(name, _desc(t), f"each expert's E4M3 block scales, [E, {rows}, {k}/16] = "
+                              f"[{e}, {rows}, {k // NVFP4_BLOCK}] (float8_e4m3fn as stored, or any float dtype)",
+                              f"pass the {name} of the same experts as stored")
     return None
 
 

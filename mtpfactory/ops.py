@@ -222,6 +222,20 @@ def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev
                          f"allocate it as the op returns its result, or leave {field}=None")
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may share memory: the same storage, and their spans (first to last element, in bytes)
+    intersect. Conservative for interleaved strided views, which no caller here builds on purpose."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def out_or_empty(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  layout: str = "any") -> torch.Tensor:
     """A fast provider's output: `out` when given (checked: `check_out`), else a fresh tensor."""

@@ -680,7 +680,7 @@ MISFITS = {
     "nvfp4-x-H-not-the-experts": ("nvfp4", lambda a: dict(x=torch.zeros(3, 48), shared_out=torch.zeros(3, 48)),
                                   "gu_weight", "gu_weight"),
     "nvfp4-gu_weight-int8": ("nvfp4", lambda a: dict(gu_weight=a["gu_weight"].view(torch.int8)), "gu_weight",
-                             r"experts\.\d+\.gate_proj\.weight"),
+                             "gu_weight"),
     "nvfp4-gu_scale-float32": ("nvfp4", lambda a: dict(gu_scale=a["gu_scale"].float()), "gu_scale", None),
     "nvfp4-gu_scale-strided": ("nvfp4", lambda a: dict(gu_scale=strided((4, 64, 2), E4M3)), "gu_scale", None),
     "nvfp4-gu_global-per-expert": ("nvfp4", lambda a: dict(gu_global=torch.ones(4)), "gu_global", "gu_global"),
@@ -688,14 +688,15 @@ MISFITS = {
     "nvfp4-dn_weight-E-fewer": ("nvfp4", lambda a: dict(dn_weight=a["dn_weight"][:3]), "dn_weight", "dn_weight"),
     "nvfp4-dn_weight-strided": ("nvfp4", lambda a: dict(dn_weight=strided((4, 32, 16), torch.uint8)), "dn_weight",
                                 None),
-    "nvfp4-dn_scale-rows": ("nvfp4", lambda a: dict(dn_scale=torch.zeros(4, 16, 2).to(E4M3)), "dn_scale",
-                            r"experts\.\d+\.down_proj\.weight_scale\.shape"),
+    "nvfp4-dn_scale-rows": ("nvfp4", lambda a: dict(dn_scale=torch.zeros(4, 16, 2).to(E4M3)), "dn_scale", "dn_scale"),
     "nvfp4-dn_scale-E-fewer": ("nvfp4", lambda a: dict(dn_scale=a["dn_scale"][:3]), "dn_scale", "dn_scale"),
     "nvfp4-dn_global-E-more": ("nvfp4", lambda a: dict(dn_global=torch.ones(5)), "dn_global", None),
     "nvfp4-gu_weight-off-a-word": ("nvfp4", lambda a: dict(gu_weight=off_a_word(a["gu_weight"])), "gu_weight", None),
     "nvfp4-dn_weight-rows-18-bytes-apart": ("nvfp4", lambda a: dict(dn_weight=rows_apart(a["dn_weight"], 18)),
                                             "dn_weight", None),
-    "nvfp4-dn_global-int64": ("nvfp4", lambda a: dict(dn_global=torch.ones(4, dtype=torch.int64)), "dn_global", None),
+    "nvfp4-dn_global-int64": ("nvfp4", lambda a: dict(dn_global=torch.ones(4, dtype=torch.int64)), "dn_global",
+                              "dn_global"),
+    "nvfp4-gu_global-3-d": ("nvfp4", lambda a: dict(gu_global=torch.ones(4, 2, 2)), "gu_global", "gu_global"),
 }
 
 
@@ -805,3 +806,22 @@ def test_triton_nonfinite_expert_stays_in_its_rows_gpu(e, fmt, where, nvfp4_path
 @FMT_PATHS
 def test_triton_rows_past_int32_offsets_gpu(fmt, nvfp4_path):
     check_far_rows(fmt, "cuda")
+
+
+@pytest.mark.parametrize("backend", ["native", "triton"])
+@pytest.mark.parametrize("shares", ["out", "x", "shared_out"])
+def test_a_workspace_sharing_memory_with_an_operand_is_refused(backend, shares):
+    """The kernels write the workspace while they read x and shared_out and write out: one sharing their memory
+    gave wrong results (0.95 relative error at one token, top_k 1, H = I = 128). Refused under every backend,
+    nothing written."""
+    n, e, h, i = 1, 4, 128, 128
+    g = torch.Generator().manual_seed(5)
+    x, shared_out = torch.randn(n, h, generator=g), torch.randn(n, h, generator=g)
+    w_gate_up, w_down = experts(e, h, i, torch.float32, g)
+    out = torch.full((n, h), NAN)
+    workspace = {"out": out, "x": x, "shared_out": shared_out}[shares].view(n, i)
+    before = workspace.clone()
+    with ops.use_backend(backend), pytest.raises(InputError, match=rf"^workspace='memory shared with {shares}'"):
+        moe.fused_moe(x, w_gate_up, w_down, torch.ones(n, 1), torch.tensor([[2]]), shared_out, torch.zeros(n, 1),
+                      out=out, workspace=workspace)
+    assert bool(out.isnan().all()) and (shares == "out" or torch.equal(workspace, before))
