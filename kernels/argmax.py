@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, out_or_empty, write_out
+from mtpfactory.ops import Op, out_or_empty, out_refusal, write_out
 
 
 def _argmax_shape_refusal(logits: torch.Tensor) -> InputError | None:
@@ -22,12 +22,18 @@ def _argmax_shape_refusal(logits: torch.Tensor) -> InputError | None:
 def _argmax_native(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [B, V], V >= 1. Returns int64 [B]: the first index of each row's maximum (written into `out`
     when given)."""
-    if err := _argmax_shape_refusal(logits):
+    if err := _contract(logits, out):
         raise err
     return write_out(out, torch.argmax(logits, dim=-1))
 
 
-argmax = Op("argmax", _argmax_native, lambda logits, out=None: _argmax_shape_refusal(logits))
+def _contract(logits: torch.Tensor, out: torch.Tensor | None = None) -> InputError | None:
+    """What the reference refuses before anything runs (every provider refuses the same)."""
+    return (_argmax_shape_refusal(logits)
+            or out_refusal(out, logits.shape[:-1], torch.int64, logits.device))    # torch.argmax(dim=-1)'s
+
+
+argmax = Op("argmax", _argmax_native, _contract)
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.linear import dot_acc, lowp_dot
 from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, nvfp4_words, permuted_x, words_refusal
-from mtpfactory.ops import Op, check_out, check_outs, overlaps, write_outs
+from mtpfactory.ops import Op, out_refusal, outs_refusal, overlaps, write_outs
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -132,9 +132,9 @@ def _fused_moe_native(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Te
 
     Returns sum_j w_j * down_j(silu(gate_j x) * up_j x) + sigmoid(shared_gate) * shared_out, [N, H] in
     x's dtype, reading only the selected experts (rounding order: see `_moe_native`)."""
-    if err := _fused_moe_contract(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate):
+    if err := _fused_moe_contract(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate, out=out,
+                                  workspace=workspace):
         raise err
-    _check_moe_args(x, topk_ids.shape[1], w_down.shape[-1], shared_out, shared_gate, out, workspace)
     return _moe_native(x, w_gate_up.shape[0], lambda e: (w_gate_up[e], w_down[e]), topk_weights, topk_ids,
                        shared_out, shared_gate, out)
 
@@ -152,10 +152,9 @@ def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: 
     expert's tensors by name) and run through the `fused_moe` reference maths; shapes that do not agree
     between the stacks and x are refused first (`_nvfp4_shape_refusal`)."""
     if err := _fused_moe_nvfp4_contract(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global,
-                                        topk_weights, topk_ids, shared_out, shared_gate):
+                                        topk_weights, topk_ids, shared_out, shared_gate, out=out, workspace=workspace):
         raise err
     inter = gu_weight.shape[1] // 2
-    _check_moe_args(x, topk_ids.shape[1], inter, shared_out, shared_gate, out, workspace)
 
     def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         gate = dequantize_nvfp4(gu_weight[e, :inter], gu_scale[e, :inter], gu_global[e, 0], x.dtype,
@@ -173,28 +172,40 @@ def _fused_moe_nvfp4_native(x: torch.Tensor, gu_weight: torch.Tensor, gu_scale: 
 _ROUTE_OUT_NAMES = ("weights", "ids")
 
 
+def _route_out_refusal(out, n: int, top_k: int, device: torch.device) -> InputError | None:
+    return outs_refusal(out, (((n, top_k), torch.float32), ((n, top_k), torch.int64)), _ROUTE_OUT_NAMES, device,
+                        "contiguous")
+
+
 def _check_route_out(out, n: int, top_k: int, device: torch.device) -> None:
-    if out is not None:
-        check_outs(out, (((n, top_k), torch.float32), ((n, top_k), torch.int64)), _ROUTE_OUT_NAMES, device,
-                   "contiguous")
+    if err := _route_out_refusal(out, n, top_k, device):
+        raise err
 
 
-def _check_moe_args(x, top_k, inter, shared_out, shared_gate, out, workspace) -> None:
+def _moe_args_refusal(x, top_k, inter, shared_out, shared_gate, out, workspace) -> InputError | None:
+    """The shared-expert pair, `out` and `workspace`, as every backend takes them."""
     if (shared_out is None) != (shared_gate is None):
         given = "shared_out" if shared_gate is None else "shared_gate"
-        raise InputError("shared_out, shared_gate", f"only {given} given",
-                         "the shared-expert blend takes both together, or neither",
-                         "pass the shared expert's output with its gate logits, or drop both")
-    if out is not None:
-        check_out(out, x.shape, x.dtype, x.device, layout="rows")   # the kernels step between rows by the stride
+        return InputError("shared_out, shared_gate", f"only {given} given",
+                          "the shared-expert blend takes both together, or neither",
+                          "pass the shared expert's output with its gate logits, or drop both")
+    # the kernels step between out's rows by its stride
+    if err := (out_refusal(out, x.shape, x.dtype, x.device, layout="rows")
+               or out_refusal(workspace, (x.shape[0] * top_k, inter), x.dtype, x.device, "workspace", "contiguous")):
+        return err
     if workspace is not None:
-        check_out(workspace, (x.shape[0] * top_k, inter), x.dtype, x.device, "workspace", "contiguous")
         # the kernels write it while they read x and shared_out and write out: shared memory gave wrong results
         for name, t in (("x", x), ("out", out), ("shared_out", shared_out), ("shared_gate", shared_gate)):
             if t is not None and overlaps(workspace, t):
-                raise InputError("workspace", f"memory shared with {name}", "scratch of its own (the kernels write "
-                                 "it while they read x and shared_out and write out)",
-                                 "pass a workspace of its own, or none (the provider allocates one)")
+                return InputError("workspace", f"memory shared with {name}", "scratch of its own (the kernels "
+                                  "write it while they read x and shared_out and write out)",
+                                  "pass a workspace of its own, or none (the provider allocates one)")
+    return None
+
+
+def _check_moe_args(x, top_k, inter, shared_out, shared_gate, out, workspace) -> None:
+    if err := _moe_args_refusal(x, top_k, inter, shared_out, shared_gate, out, workspace):
+        raise err
 
 
 # The shape rules. The references check what they index and broadcast (`_route_shape_refusal`,
@@ -313,7 +324,8 @@ def _fused_moe_contract(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out
                         out=None, workspace=None) -> InputError | None:
     """What the `fused_moe` reference refuses before anything runs (every provider refuses the same)."""
     return (_moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate)
-            or _experts_shape_refusal(x, w_gate_up, w_down))
+            or _experts_shape_refusal(x, w_gate_up, w_down)
+            or _moe_args_refusal(x, topk_ids.shape[1], w_down.shape[-1], shared_out, shared_gate, out, workspace))
 
 
 def _fused_moe_nvfp4_contract(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
@@ -321,12 +333,15 @@ def _fused_moe_nvfp4_contract(x, gu_weight, gu_scale, gu_global, dn_weight, dn_s
                               workspace=None) -> InputError | None:
     """What the `fused_moe_nvfp4` reference refuses before anything runs (every provider refuses the same)."""
     return (_moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate)
-            or _nvfp4_shape_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global))
+            or _nvfp4_shape_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global)
+            or _moe_args_refusal(x, topk_ids.shape[1], gu_weight.shape[1] // 2, shared_out, shared_gate, out,
+                                 workspace))
 
 
 moe_route_softmax = Op("moe_route_softmax", _moe_route_softmax_native,
-                       lambda router_logits, top_k, renormalize, *, out=None: _route_shape_refusal(router_logits,
-                                                                                                  top_k))
+                       lambda router_logits, top_k, renormalize, *, out=None: (
+                           _route_shape_refusal(router_logits, top_k)
+                           or _route_out_refusal(out, router_logits.shape[0], top_k, router_logits.device)))
 fused_moe = Op("fused_moe", _fused_moe_native, _fused_moe_contract)
 fused_moe_nvfp4 = Op("fused_moe_nvfp4", _fused_moe_nvfp4_native, _fused_moe_nvfp4_contract)
 

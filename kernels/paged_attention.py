@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, check_indices, out_or_empty, write_out
+from mtpfactory.ops import Op, check_indices, out_or_empty, out_refusal, write_out
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
@@ -89,7 +89,7 @@ def _paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
     Softmax in fp32; returns [B, q_heads, D] in q's dtype (a row with no context gives zeros), written into
     `out` when given. Shapes as `_shape_refusal` says."""
-    if err := _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale):
+    if err := _contract(q, k_cache, v_cache, block_tables, context_lens, scale, gate, k_scale, v_scale, out=out):
         raise err
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1:3]
@@ -545,8 +545,9 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def _contract(q, k_cache, v_cache, block_tables, context_lens, scale, gate=None, k_scale=None, v_scale=None, *,
               out=None) -> InputError | None:
-    """What the reference refuses before anything runs (`_shape_refusal`; every provider refuses the same)."""
-    return _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale)
+    """What the reference refuses before anything runs (`_shape_refusal`, `out`; every provider refuses the same)."""
+    return (_shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale)
+            or out_refusal(out, q.shape, q.dtype, q.device))
 
 
 paged_decode_attention = Op("paged_decode_attention", _paged_decode_attention_native, _contract)

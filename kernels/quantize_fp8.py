@@ -21,8 +21,8 @@ import triton.language as tl
 
 from mtpfactory import quant
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
-from mtpfactory.errors import WeightsError
-from mtpfactory.ops import Op, check_outs, write_outs
+from mtpfactory.errors import MtpfError, WeightsError
+from mtpfactory.ops import Op, check_outs, outs_refusal, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite, matrix_refusal
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -174,7 +174,15 @@ def _quantize_fp8_native(w: torch.Tensor, name: str = "weight", *,
     return write_outs(out, quant.quantize_fp8(w, name), _OUT_NAMES, "contiguous")
 
 
-quantize_fp8 = Op("quantize_fp8", _quantize_fp8_native, lambda w, name="weight", *, out=None: matrix_refusal(w, name))
+def _contract(w: torch.Tensor, name: str = "weight", *,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> MtpfError | None:
+    """What the reference refuses before it reads a value (every provider refuses the same)."""
+    return matrix_refusal(w, name) or outs_refusal(out, ((tuple(w.shape), torch.float8_e4m3fn),
+                                                         ((w.shape[0],), torch.float32)),
+                                                   _OUT_NAMES, w.device, "contiguous")
+
+
+quantize_fp8 = Op("quantize_fp8", _quantize_fp8_native, _contract)
 def _quantize_fp8_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> WeightsError | None:
     return weight_refusal(w, name)
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory import quant
-from mtpfactory.errors import WeightsError
+from mtpfactory.errors import InputError, WeightsError
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits, e4m3_value
 from mtpfactory.kernels.quantize_fp8 import (
     FINITE_LIMIT,
@@ -30,7 +30,7 @@ from mtpfactory.kernels.quantize_fp8 import (
     global_absmax_bits,
     weight_refusal,
 )
-from mtpfactory.ops import Op, check_outs, write_outs
+from mtpfactory.ops import Op, check_outs, outs_refusal, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 from mtpfactory.quant.nvfp4 import E2M1_MAX, NVFP4_BLOCK, nvfp4_matrix_refusal
 _OUT_NAMES = ("weight", "weight_scale", "weight_scale_2")
@@ -135,8 +135,17 @@ def _quantize_nvfp4_native(w: torch.Tensor, name: str = "weight", *,
     return write_outs(out, quant.quantize_nvfp4(w, name), _OUT_NAMES, "contiguous")
 
 
-quantize_nvfp4 = Op("quantize_nvfp4", _quantize_nvfp4_native,
-                    lambda w, name="weight", *, out=None: nvfp4_matrix_refusal(w, name))
+def _contract(w: torch.Tensor, name: str = "weight", *,
+              out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> WeightsError | InputError | None:
+    """What the reference refuses before it reads a value (every provider refuses the same)."""
+    if err := nvfp4_matrix_refusal(w, name):
+        return err
+    n, k = w.shape
+    return outs_refusal(out, (((n, k // 2), torch.uint8), ((n, k // NVFP4_BLOCK), torch.float8_e4m3fn),
+                              ((), torch.float32)), _OUT_NAMES, w.device, "contiguous")
+
+
+quantize_nvfp4 = Op("quantize_nvfp4", _quantize_nvfp4_native, _contract)
 def _quantize_nvfp4_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> WeightsError | None:
     return _refusal(w, name)
 

@@ -16,7 +16,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
-from mtpfactory.ops import Op, check_out
+from mtpfactory.ops import Op, check_out, out_refusal
 
 
 def residual_refusal(x: torch.Tensor, residual: torch.Tensor | None,
@@ -51,7 +51,10 @@ def norm_contract(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
 
 
 def _rms_norm_contract(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None) -> InputError | None:
-    return norm_contract(x, weight, residual, residual_out)
+    """What the reference refuses before anything runs (every provider refuses the same)."""
+    return (norm_contract(x, weight, residual, residual_out)
+            or out_refusal(out, x.shape, x.dtype, x.device)
+            or out_refusal(residual_out, x.shape, x.dtype, x.device, "residual_out"))
 
 
 def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
@@ -60,12 +63,8 @@ def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cen
     """x, residual: [..., H]; weight: [H] (`norm_contract`). With `residual` (x's shape and dtype), returns
     (norm(x + residual), x + residual). `out` / `residual_out` (optional, x's shape and dtype) receive the norm
     and the sum and are returned."""
-    if err := norm_contract(x, weight, residual, residual_out):
+    if err := _rms_norm_contract(x, weight, eps, zero_centred, residual, out, residual_out):
         raise err
-    if out is not None:
-        check_out(out, x.shape, x.dtype, x.device)
-    if residual_out is not None:
-        check_out(residual_out, x.shape, x.dtype, x.device, "residual_out")
     if residual is not None:
         x = x + residual if residual_out is None else torch.add(x, residual, out=residual_out)
     xf = x.float()

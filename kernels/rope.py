@@ -9,7 +9,7 @@ from triton.language.extra import libdevice
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, out_or_empty, write_out
+from mtpfactory.ops import Op, out_or_empty, out_refusal, write_out
 
 
 def _rope_neox_shape_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> InputError | None:
@@ -39,7 +39,7 @@ def _rope_neox_native(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
     Pairs (i, i + rotary_dim/2) rotate by angle position * inv_freq[i]; cos and sin are rounded to x's
     dtype before use, as the Hugging Face models do.
     """
-    if err := _rope_neox_shape_refusal(x, positions, inv_freq):
+    if err := _contract(x, positions, inv_freq, out):
         raise err
     rd = 2 * inv_freq.numel()
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(x.device, torch.float32)[None, :]  # [N, rd/2]
@@ -51,8 +51,13 @@ def _rope_neox_native(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
     return write_out(out, torch.cat([rot * cos + rotated * sin, rest], dim=-1))
 
 
-rope_neox = Op("rope_neox", _rope_neox_native,
-               lambda x, positions, inv_freq, out=None: _rope_neox_shape_refusal(x, positions, inv_freq))
+def _contract(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+              out: torch.Tensor | None = None) -> InputError | None:
+    """What the reference refuses before anything runs (every provider refuses the same)."""
+    return _rope_neox_shape_refusal(x, positions, inv_freq) or out_refusal(out, x.shape, x.dtype, x.device)
+
+
+rope_neox = Op("rope_neox", _rope_neox_native, _contract)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:

@@ -210,16 +210,27 @@ def triton_can_run(*tensors: torch.Tensor) -> bool:
 _LAYOUTS = {"any": "", "contiguous": "contiguous ", "rows": "row-strided (last dim contiguous) "}
 
 
-def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-              field: str = "out", layout: str = "any") -> None:
-    """Refuse an `out=` (or scratch) tensor that cannot hold the op's result: another shape, dtype or device,
-    or a layout the provider cannot write (`layout`: "any", "contiguous", or "rows": rows at any stride)."""
+def out_refusal(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                field: str = "out", layout: str = "any") -> InputError | None:
+    """Why an `out=` (or scratch) tensor cannot hold the op's result, or None (also for no `out`): another shape,
+    dtype or device, or a layout the provider cannot write (`layout`: "any", "contiguous", or "rows": rows at
+    any stride)."""
+    if out is None:
+        return None
     laid = (layout == "any" or (layout == "contiguous" and out.is_contiguous())
             or (layout == "rows" and out.stride(-1) == 1))
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not laid:
-        raise InputError(field, f"{_dtype(out.dtype)} {list(out.shape)} on {out.device}, strides {out.stride()}",
-                         f"must be a {_LAYOUTS[layout]}{_dtype(dtype)} tensor of shape {list(shape)} on {device}",
-                         f"allocate it as the op returns its result, or leave {field}=None")
+        return InputError(field, f"{_dtype(out.dtype)} {list(out.shape)} on {out.device}, strides {out.stride()}",
+                          f"must be a {_LAYOUTS[layout]}{_dtype(dtype)} tensor of shape {list(shape)} on {device}",
+                          f"allocate it as the op returns its result, or leave {field}=None")
+    return None
+
+
+def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              field: str = "out", layout: str = "any") -> None:
+    """Refuse an `out=` (or scratch) tensor that cannot hold the op's result (`out_refusal`)."""
+    if err := out_refusal(out, shape, dtype, device, field, layout):
+        raise err
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -265,16 +276,27 @@ def check_indices(field: str, idx: torch.Tensor, low: int, high: int, means: str
         raise InputError(field, lo if lo < low else hi, f"{means} lie in [{low}, {high})", fix)
 
 
+def outs_refusal(out: tuple[torch.Tensor, ...] | None, like: tuple[tuple[tuple[int, ...], torch.dtype], ...],
+                 names: tuple[str, ...], device: torch.device, layout: str = "any") -> InputError | None:
+    """`out_refusal` for an op of several results: `out` holds one tensor for each (shape, dtype) of `like`, each
+    checked as `out[i] (names[i])`; None also for no `out`."""
+    if out is None:
+        return None
+    if not isinstance(out, (tuple, list)) or len(out) != len(like):
+        return InputError("out", f"{len(out)} tensors" if isinstance(out, (tuple, list)) else f"a {type(out).__name__}",
+                          f"a tuple ({', '.join(names)}) of {len(like)} tensors",
+                          "allocate them as the op returns its results, or leave out=None")
+    for i, (o, (shape, dtype)) in enumerate(zip(out, like)):
+        if err := out_refusal(o, shape, dtype, device, f"out[{i}] ({names[i]})", layout):
+            return err
+    return None
+
+
 def check_outs(out: tuple[torch.Tensor, ...], like: tuple[tuple[tuple[int, ...], torch.dtype], ...],
                names: tuple[str, ...], device: torch.device, layout: str = "any") -> None:
-    """`check_out` for an op of several results: `out` holds one tensor for each (shape, dtype) of `like`, each
-    checked as `out[i] (names[i])`."""
-    if not isinstance(out, (tuple, list)) or len(out) != len(like):
-        raise InputError("out", f"{len(out)} tensors" if isinstance(out, (tuple, list)) else f"a {type(out).__name__}",
-                         f"a tuple ({', '.join(names)}) of {len(like)} tensors",
-                         "allocate them as the op returns its results, or leave out=None")
-    for i, (o, (shape, dtype)) in enumerate(zip(out, like)):
-        check_out(o, shape, dtype, device, f"out[{i}] ({names[i]})", layout)
+    """Refuse outputs that cannot hold an op's results (`outs_refusal`)."""
+    if err := outs_refusal(out, like, names, device, layout):
+        raise err
 
 
 def write_outs(out: tuple[torch.Tensor, ...] | None, results: tuple[torch.Tensor, ...], names: tuple[str, ...],

@@ -1,6 +1,8 @@
 """The op registry: every op the heads use has its reference and a Triton provider (DESIGN 4); a kernel the GPU
 cannot load falls back under `auto`."""
 
+import re
+
 import pytest
 import torch
 import triton
@@ -87,25 +89,35 @@ def test_gpu_paged_attention_at_its_largest_tiles_runs_or_falls_back(hq, dtype, 
 
 
 def _wrong_everywhere() -> dict:
-    """{case: (op, args, the argument named)}: calls no backend can serve, which the references met with a raw
-    torch error, or ran (a scale of one element, a norm weight of one, broadcast)."""
+    """{case: (op, args, kwargs, the argument named)}: calls no backend can serve, which the references met with a
+    raw torch error, or ran (a scale of one element, a norm weight of one, broadcast); and outputs that cannot
+    hold the result beside operands only the reference takes (fp64, strided), which `triton` answered with "no
+    triton provider" where the others named `out`."""
     from mtpfactory import kernels as K
     from mtpfactory.kernels.rope import rope_inv_freq
     from mtpfactory.quant import quantize_nvfp4
     x = torch.randn(3, 32)
     f8 = torch.randn(24, 32).to(torch.float8_e4m3fn)
+    f64 = torch.randn(3, 64, dtype=torch.float64)
     return {
-        "linear K": (K.linear, (x, torch.randn(24, 31)), "weight"),
-        "linear weight dtype": (K.linear, (x, torch.randn(24, 32, dtype=torch.bfloat16)), "weight"),
-        "linear x int": (K.linear, (x.int(), torch.randn(24, 32)), "x"),
-        "linear_fp8 scale [25]": (K.linear_fp8, (x, f8, torch.rand(25)), "weight_scale"),
-        "linear_fp8 scale [1]": (K.linear_fp8, (x, f8, torch.rand(1)), "weight_scale"),
-        "linear_fp8 bf16 weight": (K.linear_fp8, (x, f8.bfloat16(), torch.rand(24)), "weight"),
-        "linear_nvfp4 K": (K.linear_nvfp4, (torch.randn(3, 48), *quantize_nvfp4(torch.randn(24, 32))), "x"),
-        "rms_norm weight [H + 1]": (K.rms_norm, (torch.randn(3, 48), torch.randn(49), 1e-6, False), "weight"),
-        "rms_norm weight [1]": (K.rms_norm, (torch.randn(3, 48), torch.randn(1), 1e-6, False), "weight"),
+        "linear K": (K.linear, (x, torch.randn(24, 31)), {}, "weight"),
+        "linear weight dtype": (K.linear, (x, torch.randn(24, 32, dtype=torch.bfloat16)), {}, "weight"),
+        "linear x int": (K.linear, (x.int(), torch.randn(24, 32)), {}, "x"),
+        "linear_fp8 scale [25]": (K.linear_fp8, (x, f8, torch.rand(25)), {}, "weight_scale"),
+        "linear_fp8 scale [1]": (K.linear_fp8, (x, f8, torch.rand(1)), {}, "weight_scale"),
+        "linear_fp8 bf16 weight": (K.linear_fp8, (x, f8.bfloat16(), torch.rand(24)), {}, "weight"),
+        "linear_nvfp4 K": (K.linear_nvfp4, (torch.randn(3, 48), *quantize_nvfp4(torch.randn(24, 32))), {}, "x"),
+        "rms_norm weight [H + 1]": (K.rms_norm, (torch.randn(3, 48), torch.randn(49), 1e-6, False), {}, "weight"),
+        "rms_norm weight [1]": (K.rms_norm, (torch.randn(3, 48), torch.randn(1), 1e-6, False), {}, "weight"),
         "rope 4-D x, positions of other N": (K.rope_neox, (torch.randn(2, 3, 2, 16), torch.arange(5),
-                                                           rope_inv_freq(8, 1e4)), "positions"),
+                                                           rope_inv_freq(8, 1e4)), {}, "positions"),
+        "rms_norm strided x, out of other H": (K.rms_norm, (torch.randn(64, 3).T, torch.ones(64), 1e-6, False),
+                                               {"out": torch.empty(3, 65)}, "out"),
+        "argmax fp64, out of other B": (K.argmax, (f64,), {"out": torch.empty(4, dtype=torch.int64)}, "out"),
+        "route fp64, out of other k": (K.moe_route_softmax, (f64, 2, True),
+                                       {"out": (torch.empty(3, 3), torch.empty(3, 3, dtype=torch.int64))}, "out[0]"),
+        "quantize_fp8 fp64, out of other N": (K.quantize_fp8, (f64,), {"out": (torch.empty(4, 64).to(
+            torch.float8_e4m3fn), torch.empty(4))}, "out[0]"),
     }
 
 
@@ -115,7 +127,7 @@ def test_calls_wrong_under_every_backend_are_refused_alike(case, backend):
     """A call no backend can serve is refused by its op's contract under every backend with the same error,
     naming the argument (`triton` said "no triton provider, use auto", which then raised the reference's error,
     or a raw torch error from inside the reference)."""
-    op, args, field = _wrong_everywhere()[case]
-    assert op.contract(*args) is not None
-    with ops.use_backend(backend), pytest.raises(MtpfError, match=rf"^{field}="):
-        op(*args)
+    op, args, kwargs, field = _wrong_everywhere()[case]
+    assert op.contract(*args, **kwargs) is not None
+    with ops.use_backend(backend), pytest.raises(MtpfError, match=rf"^{re.escape(field)}"):
+        op(*args, **kwargs)
