@@ -177,12 +177,16 @@ def _quantize_fp8_native(w: torch.Tensor, name: str = "weight", *,
 def _contract(w: torch.Tensor, name: str = "weight", *,
               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> MtpfError | None:
     """What the reference refuses before it reads a value (every provider refuses the same)."""
-    return matrix_refusal(w, name) or outs_refusal(out, ((tuple(w.shape), torch.float8_e4m3fn),
-                                                         ((w.shape[0],), torch.float32)),
-                                                   _OUT_NAMES, w.device, "contiguous")
+    if err := matrix_refusal(w, name):
+        return err
+    n, k = w.shape
+    return outs_refusal(out, (((n, k), torch.float8_e4m3fn), ((n,), torch.float32)), _OUT_NAMES, w.device,
+                        "contiguous")
 
 
 quantize_fp8 = Op("quantize_fp8", _quantize_fp8_native, _contract)
+
+
 def _quantize_fp8_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> WeightsError | None:
     return weight_refusal(w, name)
 

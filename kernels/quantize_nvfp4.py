@@ -146,6 +146,8 @@ def _contract(w: torch.Tensor, name: str = "weight", *,
 
 
 quantize_nvfp4 = Op("quantize_nvfp4", _quantize_nvfp4_native, _contract)
+
+
 def _quantize_nvfp4_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> WeightsError | None:
     return _refusal(w, name)
 
