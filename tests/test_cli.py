@@ -76,6 +76,11 @@ def test_a_single_refused_run_says_why_and_exits_1(tmp_path):
     (["+head=dense", "+levers.drafter_prefill=-1"], "levers.drafter_prefill='-1': a switch"),
     (["+head=dense", "runtime.max_seqs=4,abc"], "runtime.max_seqs='abc': not a value of the field's type, int"),
     (["+head=dense", "model.num_experts=null", "weights.path=null", "model.rope_theta=1e7,1e6"], None),
+    # a key the schema lacks, without +: Hydra's own message, no "did you mean", a sweep aborted
+    (["+head=dense", "quant=bf16,fp8", "levers.kv_exct=true"], "levers.kv_exct='True': not a config key"),
+    (["+head=dense", "quantt=fp8"], "quantt='fp8': not a config key; known here: head, model"),
+    (["+head=dense", "model._target_=os.system"], "never by _target_"),
+    (["+head=dense", "hydra.run.dir=/tmp/x", "hydra.job.chdir=false"], None),
 ])
 def test_every_sweep_value_of_a_group_or_switch_is_checked_before_hydra_runs(args, bad, capsys):
     """A head, a group option, a switch's word or a value of the wrong type that no run could take refuses the

@@ -112,3 +112,11 @@ def test_mtp_vocab_size_truncates_the_draft_vocab():
     assert head.lm_head.draft_vocab == 100 and "vocab=100/512" in head.summary()
     full = mtpfactory.build_head(mtpfactory.compose("+head=dense", "levers.mtp_vocab_size=100000"))
     assert full.lm_head.draft_vocab == 512
+
+
+def test_compose_refuses_a_key_the_schema_lacks_set_without_plus():
+    """`levers.kv_exct=1` raised Hydra's ConfigCompositionException (not an MtpfError); it is a ConfigError with a
+    "did you mean"."""
+    with pytest.raises(mtpfactory.ConfigError, match=r"^levers.kv_exct='1': not a config key.*did you mean "
+                                                     r"levers.kv_exact\?"):
+        mtpfactory.compose("+head=dense", "levers.kv_exct=1")

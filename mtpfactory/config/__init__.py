@@ -40,10 +40,14 @@ SWITCHES = tuple(f for f in LEVERS if schema.LeversConfig.__dataclass_fields__[f
 def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
     """Refuse, before Hydra composes: an unknown option of a group (`+head=NAME`, `kv=NAME`, ...), whose Hydra
     message lists files and search paths, not the options and a "did you mean"; a switch lever set to a word
-    outside BOOL_WORDS, which OmegaConf would read as a bool (`levers.kv_exact=2` switches it on); and a field
-    set to a value its type cannot hold (`runtime.max_seqs=abc`), which Hydra reports with a traceback."""
+    outside BOOL_WORDS, which OmegaConf would read as a bool (`levers.kv_exact=2` switches it on); a field
+    set to a value its type cannot hold (`runtime.max_seqs=abc`), which Hydra reports with a traceback; and a
+    key the schema lacks set without `+` (`levers.kv_exct=true`, `model._target_=...`), which Hydra refuses
+    with its own message and no "did you mean" (with `+` Hydra adds it, and `check_keys` refuses it)."""
     for o in overrides:
         key, eq, value = o.partition("=")
+        if eq and not o.startswith(("+", "~")) and (err := _plain_key_refusal(key, value)):
+            raise err
         key = key.lstrip("+~")
         if eq and key in GROUPS and value not in options(key):
             raise UnknownNameError(key, value, options(key))
@@ -51,6 +55,19 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
             raise ConfigError(key, value, f"a switch: {', '.join(BOOL_WORDS)}", f"set {key}=true or {key}=false")
         if eq and (err := _type_refusal(key, value)):
             raise err
+
+
+def _plain_key_refusal(key: str, value: str) -> ConfigError | None:
+    """Why the schema has no `key` to set, or None: a section, a group or a section's field (hydra.* passes)."""
+    section, dot, field = key.partition(".")
+    if section == "hydra" or (not dot and section in GROUPS):
+        return None
+    if section not in SECTIONS:
+        return _unknown_key(section, value, list(SECTIONS))
+    fields = [f.name for f in dataclasses.fields(SECTIONS[section])]
+    if dot and field.partition(".")[0] not in fields:
+        return _unknown_key(f"{section}.{field.partition('.')[0]}", value, fields)
+    return None
 
 
 def _type_refusal(key: str, value: str) -> ConfigError | None:
