@@ -87,6 +87,7 @@ class Op:
         self.name = name
         self.reference = reference
         self.contract = contract
+        self.__wrapped__ = reference        # inspect.signature(op) gives the reference's: the op's arguments
         self.providers: dict[str, Provider] = {}
         _OPS[name] = self
 

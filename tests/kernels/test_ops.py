@@ -131,3 +131,10 @@ def test_calls_wrong_under_every_backend_are_refused_alike(case, backend):
     assert op.contract(*args, **kwargs) is not None
     with ops.use_backend(backend), pytest.raises(MtpfError, match=rf"^{re.escape(field)}"):
         op(*args, **kwargs)
+
+
+def test_an_ops_signature_is_its_references():
+    """Serving code finds an op's arguments: `inspect.signature` showed (*args, **kwargs)."""
+    import inspect
+    for op in ops.all_ops().values():
+        assert inspect.signature(op) == inspect.signature(op.reference), op.name
