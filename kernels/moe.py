@@ -79,9 +79,8 @@ def _moe_route_softmax_native(router_logits: torch.Tensor, top_k: int, renormali
     ties to the lower id (a stable sort: `torch.topk` does not promise which of two equal values comes
     first); their probabilities, divided by their sum when `renormalize`. Logits of another rank, or a
     top_k outside [1, E], are refused (`_route_shape_refusal`)."""
-    if err := _route_shape_refusal(router_logits, top_k):
+    if err := _route_contract(router_logits, top_k, renormalize, out=out):
         raise err
-    _check_route_out(out, router_logits.shape[0], top_k, router_logits.device)
     logits = router_logits.float()                                       # [N, E]
     probs = torch.softmax(logits, dim=-1)
     ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [N, k]
@@ -177,11 +176,6 @@ def _route_out_refusal(out, n: int, top_k: int, device: torch.device) -> InputEr
                         "contiguous")
 
 
-def _check_route_out(out, n: int, top_k: int, device: torch.device) -> None:
-    if err := _route_out_refusal(out, n, top_k, device):
-        raise err
-
-
 def _moe_args_refusal(x, top_k, inter, shared_out, shared_gate, out, workspace) -> InputError | None:
     """The shared-expert pair, `out` and `workspace`, as every backend takes them."""
     if (shared_out is None) != (shared_gate is None):
@@ -201,11 +195,6 @@ def _moe_args_refusal(x, top_k, inter, shared_out, shared_gate, out, workspace) 
                                   "write it while they read x and shared_out and write out)",
                                   "pass a workspace of its own, or none (the provider allocates one)")
     return None
-
-
-def _check_moe_args(x, top_k, inter, shared_out, shared_gate, out, workspace) -> None:
-    if err := _moe_args_refusal(x, top_k, inter, shared_out, shared_gate, out, workspace):
-        raise err
 
 
 # The shape rules. The references check what they index and broadcast (`_route_shape_refusal`,
@@ -338,10 +327,13 @@ def _fused_moe_nvfp4_contract(x, gu_weight, gu_scale, gu_global, dn_weight, dn_s
                                  workspace))
 
 
-moe_route_softmax = Op("moe_route_softmax", _moe_route_softmax_native,
-                       lambda router_logits, top_k, renormalize, *, out=None: (
-                           _route_shape_refusal(router_logits, top_k)
-                           or _route_out_refusal(out, router_logits.shape[0], top_k, router_logits.device)))
+def _route_contract(router_logits, top_k, renormalize, *, out=None) -> InputError | None:
+    """What the `moe_route_softmax` reference refuses before anything runs (every provider refuses the same)."""
+    return (_route_shape_refusal(router_logits, top_k)
+            or _route_out_refusal(out, router_logits.shape[0], top_k, router_logits.device))
+
+
+moe_route_softmax = Op("moe_route_softmax", _moe_route_softmax_native, _route_contract)
 fused_moe = Op("fused_moe", _fused_moe_native, _fused_moe_contract)
 fused_moe_nvfp4 = Op("fused_moe_nvfp4", _fused_moe_nvfp4_native, _fused_moe_nvfp4_contract)
 
@@ -674,7 +666,8 @@ def _route_launch(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
     """`moe_route_softmax_triton` on a call `moe_route_softmax_refusal` passed (the op's predicate checked it:
     one check a call)."""
     n, e = router_logits.shape
-    _check_route_out(out, n, top_k, router_logits.device)
+    if err := _route_out_refusal(out, n, top_k, router_logits.device):
+        raise err
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     weights, ids = out if out is not None else (
         torch.empty(n, top_k, dtype=torch.float32, device=logits.device),
@@ -731,7 +724,8 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     w_gu, s_gu, g_gu, w_dn, s_dn, g_dn = tensors
     n, hidden = x.shape
     top_k = topk_ids.shape[1]
-    _check_moe_args(x, top_k, inter, shared_out, shared_gate, out, workspace)
+    if err := _moe_args_refusal(x, top_k, inter, shared_out, shared_gate, out, workspace):
+        raise err
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device) if out is None else out
     if n == 0:

@@ -62,11 +62,17 @@ def _plain_key_refusal(key: str, value: str) -> ConfigError | None:
     section, dot, field = key.partition(".")
     if section == "hydra" or (not dot and section in GROUPS):
         return None
+    return _schema_key_refusal(section, field.partition(".")[0] if dot else None, value)
+
+
+def _schema_key_refusal(section: str, field: str | None, value: object) -> ConfigError | None:
+    """Why the schema has no section `section` or no `section.field`, or None (the one rule of `check_keys`, on
+    the composed config, and of `_plain_key_refusal`, on an override)."""
     if section not in SECTIONS:
         return _unknown_key(section, value, list(SECTIONS))
     fields = [f.name for f in dataclasses.fields(SECTIONS[section])]
-    if dot and field.partition(".")[0] not in fields:
-        return _unknown_key(f"{section}.{field.partition('.')[0]}", value, fields)
+    if field is not None and field not in fields:
+        return _unknown_key(f"{section}.{field}", value, fields)
     return None
 
 
@@ -88,19 +94,16 @@ def _type_refusal(key: str, value: str) -> ConfigError | None:
     return None
 
 
-
-
 def check_keys(cfg: DictConfig) -> None:
     """Refuse a key the schema lacks. Hydra appends any `+key=value` as written, so a typo (`+quantt=fp8`,
     `+levers.kv_exct=true`) would run as if absent; and a `_target_` would sit unread, since components are
     chosen by registry name, never by a target (DESIGN 5)."""
     for section, node in OmegaConf.to_container(cfg, resolve=False).items():
-        if section not in SECTIONS:
-            raise _unknown_key(section, node, SECTIONS)
-        keys = [f.name for f in dataclasses.fields(SECTIONS[section])]
-        for key, value in node.items():
-            if key not in keys:
-                raise _unknown_key(f"{section}.{key}", value, keys)
+        if err := _schema_key_refusal(section, None, node):
+            raise err
+        for field, value in node.items():
+            if err := _schema_key_refusal(section, field, value):
+                raise err
 
 
 def _unknown_key(key: str, value: object, known) -> ConfigError:

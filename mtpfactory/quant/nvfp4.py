@@ -97,12 +97,8 @@ def dequantize_nvfp4(weight: Tensor, weight_scale: Tensor, weight_scale_2: Tenso
                            "NVFP4 stores a uint8 [N, K/2] matrix with K a multiple of 16",
                            "pass the checkpoint's packed `weight`")
     n, k = weight.shape[0], 2 * weight.shape[1]
-    if not weight_scale.is_floating_point():
-        raise WeightsError(f"{name}_scale", f"{weight_scale.dtype} {tuple(weight_scale.shape)}",
-                           "the block scales' values: float8_e4m3fn as stored (or any floating dtype holding "
-                           "them); an integer tensor would be read as its bytes' numbers",
-                           f"pass the checkpoint's {name}_scale as stored; for its raw bytes as uint8, "
-                           ".view(torch.float8_e4m3fn)")
+    if err := scale_refusal(f"{name}_scale", weight_scale):
+        raise err
     if tuple(weight_scale.shape) != (n, k // NVFP4_BLOCK):
         raise WeightsError(f"{name}_scale.shape", tuple(weight_scale.shape),
                            f"a [{n}, {k}] NVFP4 weight needs [N, K/16] = [{n}, {k // NVFP4_BLOCK}] block scales",
