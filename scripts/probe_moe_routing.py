@@ -4,7 +4,8 @@ routing flip (the router's logits rounded to bf16 choose another expert than flo
 arithmetic. Builds a case of tests/heads/test_heads_gpu.py (its weights, prefills and steps) in float32 and
 through both bf16 paths, records the experts every MoE call chooses, and prints for each bf16 path the rows
 whose chosen experts differ from float32's, then each step's logit error against float32. Correctness only,
-nothing is timed.
+nothing is timed. Its answer on an H100 (2026-12-05, BENCHMARKS.md's twenty-second run): one flip, one row of six at
+5.9e-2, the others 4.5e-3 to 4.9e-3.
 
     python3 scripts/probe_moe_routing.py [--case moe_bf16] [--model qwen3_next_80b] [--device cuda]
         (--model qwen3_next_tiny --device cpu: a small run on the CPU, the Triton path in the interpreter)
