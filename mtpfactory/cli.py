@@ -117,14 +117,17 @@ def _check_args(args: list[str]) -> None:
     if not any(_values(a) for a in args if a.partition("=")[0].lstrip("+~") == "head"):
         print(f"{USAGE}\nno head chosen: add +head=NAME. Heads: {', '.join(list_heads())}", file=sys.stderr)
         raise SystemExit(2)
+    refused = []   # every refused value at once, so a sweep of several bad ones is fixed in one round
     for arg in args:
         key = arg.partition("=")[0]
         for value in _values(arg):
             try:
                 check_overrides([f"{key}={value}"])
             except ConfigError as e:
-                print(f"{USAGE}\n{e}", file=sys.stderr)
-                raise SystemExit(2) from None
+                refused.append(str(e))
+    if refused:
+        print("\n".join([USAGE, *refused]), file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _values(arg: str) -> list[str]:

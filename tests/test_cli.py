@@ -74,7 +74,14 @@ def test_a_single_refused_run_says_why_and_exits_1(tmp_path):
     (["+head=dense", "quant=glob(*)", "levers.kv_exact=true,off", "runtime.max_seqs=range(1,3)"], None),
     (["+head=dense", "levers.kv_exact=0,2"], "levers.kv_exact='2': a switch: 1, 0, true, false"),
     (["+head=dense", "+levers.drafter_prefill=-1"], "levers.drafter_prefill='-1': a switch"),
-    (["+head=dense", "runtime.max_seqs=4,abc"], "runtime.max_seqs='abc': not a value of the field's type, int"),
+    (["+head=dense", "runtime.max_seqs=4,abc"], "runtime.max_seqs='abc': not a value of the field's type, int. "
+                                                "Fix: give runtime.max_seqs a value of type int, e.g. its default 8"),
+    (["+head=dense", "quant.lm_head=null"], "give quant.lm_head a value of type str, e.g. its default 'auto'"),
+    # every refused value named at once, not the first only
+    (["+head=bf16_moe,per_expert_moe,nvfp4_moe"], "head='per_expert_moe': unknown; known: bf16_moe, dense. Fix: "
+                                                  "choose one of bf16_moe, dense\nhead='nvfp4_moe': unknown"),
+    (["+head=dense", "quant=fp4", "kv=fp9"], "quant='fp4': unknown; known: bf16, fp8, nvfp4. Fix: did you mean "
+                                             "'nvfp4'?\nkv='fp9'"),
     (["+head=dense", "model.num_experts=null", "weights.path=null", "model.rope_theta=1e7,1e6"], None),
     # a key the schema lacks, without +: Hydra's own message, no "did you mean", a sweep aborted
     (["+head=dense", "quant=bf16,fp8", "levers.kv_exct=true"], "levers.kv_exct='True': not a config key"),

@@ -235,6 +235,42 @@ def test_dense_head_on_moe_weights():
             "MoE router True", "FP8 experts False", "+head=bf16_moe")
 
 
+def fp8_moe_weights(form: str) -> dict[str, torch.Tensor]:
+    """The tiny MoE weights with their experts stored FP8, as an FP8 release writes them: e4m3 per expert with a
+    block-128 `weight_scale_inv` or a per-tensor `weight_scale` beside each, or fused e4m3 experts."""
+    w = qwen_mtp_weights(mtpfactory.compose("+head=bf16_moe").model, "moe", 0)
+    experts = "mtp.layers.0.mlp.experts."
+    if form == "fused":
+        e = w["mtp.layers.0.mlp.experts.0.gate_proj.weight"].shape[0]
+        names = sorted(k for k in w if k.startswith(experts))
+        num = 1 + max(int(k[len(experts):].split(".")[0]) for k in names)
+        w[experts + "gate_up_proj"] = torch.stack([torch.cat([w[f"{experts}{i}.gate_proj.weight"],
+                                                             w[f"{experts}{i}.up_proj.weight"]]) for i in range(num)])
+        w[experts + "down_proj"] = torch.stack([w[f"{experts}{i}.down_proj.weight"] for i in range(num)])
+        for k in names:
+            del w[k]
+        assert w[experts + "gate_up_proj"].shape[1] == 2 * e
+        w[experts + "gate_up_proj"] = w[experts + "gate_up_proj"].to(torch.float8_e4m3fn)
+        return w
+    for k in [k for k in w if k.startswith(experts) and k.endswith("_proj.weight")]:
+        w[k] = w[k].to(torch.float8_e4m3fn)
+        w[k.removesuffix("weight") + form] = torch.ones((1, 1) if form == "weight_scale_inv" else ())
+    return w
+
+
+@pytest.mark.parametrize("form", ["weight_scale_inv", "weight_scale", "fused"])
+def test_fp8_experts_are_named_with_the_rule_that_refuses_them(form):
+    """A dense head on FP8 MoE weights is refused for its FFN form (not for experts it does not read); a MoE head
+    for the FP8 experts, however the release stores them (block-128 tables, a per-tensor scale, fused codes)."""
+    w = fp8_moe_weights(form)
+    dense = mtpfactory.compose("+head=dense", *CPU)
+    refused(WeightsError, lambda: mtpfactory.build_head(dense, w), "head='dense'", "needs a dense FFN",
+            "dense FFN False", "MoE router True", "FP8 experts True", "+head=bf16_moe with the BF16 release")
+    moe = mtpfactory.compose("+head=bf16_moe", *CPU)
+    refused(WeightsError, lambda: mtpfactory.build_head(moe, w), "head='bf16_moe'", "reads BF16 experts",
+            "FP8 experts True", "BF16 release")
+
+
 def test_moe_head_on_dense_weights():
     cfg = mtpfactory.compose("+head=bf16_moe", *CPU)
     refused(WeightsError, lambda: mtpfactory.build_head(cfg, dense_weights()), "head='bf16_moe'", "quant=bf16",

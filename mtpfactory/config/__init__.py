@@ -11,7 +11,7 @@ import typing
 from hydra import compose as _hydra_compose
 from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, OmegaConf, ValidationError
+from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
 from mtpfactory.config import schema  # noqa: F401  (stores the schemas)
 from mtpfactory.errors import ConfigError, UnknownNameError
@@ -89,8 +89,10 @@ def _type_refusal(key: str, value: str) -> ConfigError | None:
     except ValidationError:
         t = types[name]
         shown = t.__name__ if isinstance(t, type) else str(t).replace("typing.", "")
+        default = {f.name: f.default for f in dataclasses.fields(kind)}[name]
         return ConfigError(key, value, f"not a value of the field's type, {shown}",
-                           f"give {key} a value of type {shown}")
+                           f"give {key} a value of type {shown}"
+                           + (f", e.g. its default {default!r}" if default not in (MISSING, dataclasses.MISSING, None) else ""))
     return None
 
 

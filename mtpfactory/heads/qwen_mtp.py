@@ -110,7 +110,11 @@ def check_config(cfg: DictConfig, form: str) -> None:
                           "choose a qwen3_next model preset, e.g. model=qwen3_next_tiny")
     allowed = FORMATS[form]
     if cfg.quant.mode not in allowed:
-        raise ConfigError("quant", cfg.quant.mode, f"head {name} allows quant={'|'.join(allowed)}",
+        rule = f"head {name} allows quant={'|'.join(allowed)}"
+        if form == "moe":   # DESIGN 2.2: a MoE head's quant is its form; the other forms are other heads
+            rule += (" (the unquantized MoE head: FP8 experts are DESIGN's per_expert_moe and native_fp8_moe heads, "
+                     "NVFP4 ones its nvfp4_moe head, none of them built yet)")
+        raise ConfigError("quant", cfg.quant.mode, rule,
                           "use quant=bf16; for NVFP4 experts on this head add levers.experts_nvfp4=true"
                           if form == "moe" else f"use quant={'|'.join(allowed)}")
     if cfg.quant.lm_head != "auto" and cfg.quant.lm_head not in LM_HEAD_FORMATS:
@@ -118,9 +122,10 @@ def check_config(cfg: DictConfig, form: str) -> None:
                           "use quant.lm_head=auto to follow quant")
     if cfg.levers.experts_nvfp4 and (form != "moe" or cfg.quant.mode != "bf16"):
         # Decided from the config, before any weight is read: say what the head builds, not what weights hold.
-        builds = "a dense SwiGLU FFN, no experts" if form == "dense" else f"{form} experts under quant={cfg.quant.mode}"
+        builds = ("dense FFN: yes, experts: none (neither BF16 nor FP8)" if form == "dense"
+                  else f"{form} experts under quant={cfg.quant.mode}")
         raise ConfigError("levers.experts_nvfp4", True, f"stores the BF16 experts of head bf16_moe (quant=bf16) as "
-                          f"NVFP4; head {name} with quant={cfg.quant.mode} builds {builds}",
+                          f"NVFP4; head {name} (quant={cfg.quant.mode}) builds {builds}",
                           f"drop the lever (levers.experts_nvfp4=false{_from_env('experts_nvfp4', True)}); for MoE "
                           "weights with BF16 experts use +head=bf16_moe quant=bf16")
     if cfg.levers.kv_exact and cfg.kv.dtype != "fp8":
@@ -212,18 +217,31 @@ def check_ffn_form(ctx: BuildContext, form: str) -> None:
                            "the MTP layer), or list that file's tensors in the index's weight_map")
     dense = w.has(LAYER + "mlp.gate_proj.weight")
     moe = w.has(LAYER + "mlp.gate.weight")
-    fp8 = w.has(LAYER + "mlp.experts.0.gate_proj.weight_scale_inv")
+    fp8 = fp8_experts(w)
+    found = f"the weights carry: dense FFN {dense}, MoE router {moe}, FP8 experts {fp8}"
+    if not ((form == "dense" and dense) or (form == "moe" and moe)):
+        fix = "check the checkpoint's MTP tensors"
+        if dense:
+            fix = "use +head=dense"
+        elif moe:
+            fix = "use +head=bf16_moe" + (" with the BF16 release of the checkpoint (its experts are FP8; DESIGN's "
+                                          "FP8-expert head, native_fp8_moe, is not built yet)" if fp8 else "")
+        raise WeightsError("head", name, f"head {name} (quant={ctx.cfg.quant.mode}) needs a {form} FFN, but {found}",
+                           fix)
     if fp8:
-        raise WeightsError("head", name, f"head {name} (quant={ctx.cfg.quant.mode}) reads BF16 experts, but the "
-                           f"weights carry: dense FFN {dense}, MoE router {moe}, FP8 experts {fp8}"
+        raise WeightsError("head", name, f"head {name} (quant={ctx.cfg.quant.mode}) reads BF16 experts, but {found}"
                            + (" (levers.experts_nvfp4 needs BF16 experts)" if ctx.cfg.levers.experts_nvfp4 else ""),
-                           "use a BF16 checkpoint of the model")
-    if (form == "dense" and dense) or (form == "moe" and moe):
-        return
-    other = "bf16_moe" if form == "dense" else "dense"
-    raise WeightsError("head", name, f"head {name} (quant={ctx.cfg.quant.mode}) needs a {form} FFN, but the "
-                       f"weights carry: dense FFN {dense}, MoE router {moe}, FP8 experts {fp8}",
-                       f"use +head={other}" if (dense or moe) else "check the checkpoint's MTP tensors")
+                           "use the BF16 release of the checkpoint (DESIGN's FP8-expert head, native_fp8_moe, "
+                           "is not built yet)")
+
+
+def fp8_experts(w) -> bool:
+    """Whether the checkpoint's MTP experts are stored FP8: e4m3/e5m2 codes (per expert or fused) or the scales
+    that go with them (a block-128 `weight_scale_inv`, or a per-tensor `weight_scale`)."""
+    experts = LAYER + "mlp.experts."
+    names = [experts + "0.gate_proj.weight", experts + "gate_up_proj"]
+    scales = [experts + "0.gate_proj." + s for s in ("weight_scale_inv", "weight_scale")]
+    return any(w.dtype(n) in (torch.float8_e4m3fn, torch.float8_e5m2) for n in names) or any(map(w.has, scales))
 
 
 def _embedding(ctx: BuildContext, lm_head: LMHead) -> torch.Tensor:
@@ -265,7 +283,7 @@ def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
     kv = str(spec.dtype).removeprefix("torch.") + (" per-token scales" if spec.token_scales else "")
     summary = (f"MTP head {cfg.head.name}: quant={quant}, fc=[{h},{2 * h}], attn Q=[{nq * hd * 2},{h}], "
                f"ffn={cfg.head.ffn}, {experts} experts, vocab={lm_head.draft_vocab}/{m.vocab_size} "
-               f"(LM head {ctx.fmt('lm_head')} {lm_head.nbytes / 2**20:.1f} MB), kv={kv}, "
+               f"(LM head {ctx.fmt('lm_head')} {_megabytes(lm_head.nbytes)} MB), kv={kv}, "
                f"pool={spec.num_blocks} blocks")
     head = QwenMTPHead(
         embed=_embedding(ctx, lm_head),
@@ -278,6 +296,12 @@ def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
         cache=cache, hidden_size=h, vocab_size=m.vocab_size, dtype=ctx.dtype, device=ctx.device,
         backend=cfg.runtime.backend, prefill_scratch=scratch, summary=summary)
     return head
+
+
+def _megabytes(nbytes: int) -> str:
+    """MB to a tenth, or to three places under one (a tiny preset's LM heads would all read 0.0)."""
+    mb = nbytes / 2**20
+    return f"{mb:.1f}" if mb >= 1 else f"{mb:.3f}"
 
 
 dense = HeadBuilder(ffn_form="dense", check=lambda cfg: check_config(cfg, "dense"),

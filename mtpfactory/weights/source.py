@@ -62,6 +62,11 @@ class TensorSource:
     def has(self, name: str) -> bool:
         return self._resolve(name) is not None
 
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The stored dtype of `name` (under any spelling of its prefix), or None when it is missing; reads nothing."""
+        key = self._resolve(name)
+        return None if key is None else self._tensors[key].dtype
+
     def mtp_names(self) -> list[str]:
         """The checkpoint's names under any spelling of the MTP prefix."""
         return [k for k in self._tensors if k.startswith(MTP_PREFIXES)]

@@ -206,7 +206,10 @@ def test_kv_exact_changes_the_cache_and_its_reserve():
 @pytest.mark.parametrize("overrides, field, says", [
     (("+head=bf16_moe", "quant=fp8"), "quant", "levers.experts_nvfp4"),
     (("+head=bf16_moe", "quant=nvfp4"), "quant", "allows quant=bf16"),
-    (("+head=dense", "levers.experts_nvfp4=true"), "levers.experts_nvfp4", "builds a dense SwiGLU FFN, no experts"),
+    (("+head=bf16_moe", "quant=fp8"), "quant", "FP8 experts are DESIGN's per_expert_moe and native_fp8_moe heads"),
+    (("+head=bf16_moe", "quant=nvfp4"), "quant", "NVFP4 ones its nvfp4_moe head"),
+    (("+head=dense", "levers.experts_nvfp4=true"), "levers.experts_nvfp4",
+     "head dense (quant=bf16) builds dense FFN: yes, experts: none (neither BF16 nor FP8)"),
     (("+head=dense", "quant=fp8", "levers.experts_nvfp4=true"), "levers.experts_nvfp4", "quant=fp8"),
     (("+head=dense", "levers.kv_exact=true"), "levers.kv_exact", "kv=fp8"),
     (("+head=dense", "quant.lm_head=int4"), "quant.lm_head", "auto, bf16, fp8, nvfp4"),
