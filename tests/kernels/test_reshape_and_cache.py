@@ -86,6 +86,30 @@ def test_strided_k_v_from_a_fused_projection():
     check(k, v, nan_cache(4, 4, 2, 12, torch.bfloat16), nan_cache(4, 4, 2, 12, torch.bfloat16), slots)
 
 
+def test_k_and_v_with_heads_further_apart_than_a_row():
+    """k and v [N, kv_heads, D] views of [kv_heads, N, D] buffers: a head's row lies N * D elements past the
+    previous head's, not D."""
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(2, 5, 8, generator=gen).transpose(0, 1)
+    v = torch.randn(2, 5, 8, generator=gen).transpose(0, 1)
+    assert k.stride(1) == 5 * 8
+    check(k, v, nan_cache(4, 4, 2, 8, torch.float32), nan_cache(4, 4, 2, 8, torch.float32),
+          torch.tensor([3, 0, 7, 12, -2]))
+
+
+def test_k_and_v_of_other_kv_heads_and_head_dims():
+    """K [N, 2, 8] and V [N, 1, 24] rows, each in a cache of its own shape (the op allows K and V to differ in
+    kv_heads and D), each walked by its own. The V cache is the first 4 blocks of 8 and the K cache the first 4
+    of 12 of NaN buffers, so a row written by the other's shape lands in the poison after them (not past the
+    buffer), which must stay NaN."""
+    gen = torch.Generator().manual_seed(14)
+    k = torch.randn(5, 2, 8, generator=gen)
+    v = torch.randn(5, 1, 24, generator=gen)
+    k_guarded, v_guarded = nan_cache(12, 4, 2, 8, torch.float32), nan_cache(8, 4, 1, 24, torch.float32)
+    check(k, v, k_guarded[:4], v_guarded[:4], torch.tensor([3, 0, 15, 12, -2]))
+    assert k_guarded[4:].isnan().all() and v_guarded[4:].isnan().all()
+
+
 def test_strided_slots():
     """slots a column of a wider tensor (stride 2)."""
     k = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(10))
