@@ -25,8 +25,9 @@ import triton.language as tl
 
 from mtpfactory import ops
 from mtpfactory.errors import InputError, MtpfError
-from mtpfactory.kernels.paged_attention import (_default_block_n, _dot_dtype, _tuning_defaults, paged_decode_attention,
-                                               paged_decode_attention_triton, tuning_refusal)
+from mtpfactory.kernels.paged_attention import (_REDUCE_BLOCK_D, _REDUCE_TILE, _default_block_n, _dot_dtype,
+                                               _tuning_defaults, paged_decode_attention, paged_decode_attention_triton,
+                                               tuning_refusal)
 from backend_refusal import assert_backend_refuses
 
 # The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
@@ -221,11 +222,20 @@ def test_fast_dot_takes_fp16_for_an_fp8_cache_and_q_dtype_for_a_16_bit_one():
 
 @pytest.mark.parametrize("kv, q_dtype", [("bf16", torch.bfloat16), ("fp8_scaled", torch.float32)])
 def test_triton_many_splits_reduce_in_chunks(kv, q_dtype):
-    """45 splits of 16 tokens: the reduce takes 16 splits a step (2 q heads a KV head: G_PAD 16, 32 dims a
-    program), so three steps, the last cut at 13; the shorter row leaves its last 24 splits empty. D 40: two
-    reduce programs a (sequence, KV head), the second cut at 40."""
-    args = make_case(2, 4, 2, 40, 16, [700, 333], kv, q_dtype, seed=21)
-    out = run_triton(*args, num_splits=45)
+    """45 splits of 16 tokens (block_n 16: at the default 32 the splits would be 32 long, 23 of them): the reduce
+    takes 16 splits a step (2 q heads a KV head: G_PAD 16, 32 dims a program), so three steps, the last cut at 13;
+    the shorter row leaves its last 24 splits empty. D 40: two reduce programs a (sequence, KV head), the second
+    cut at 40. Row 0's largest scores lie in its last split (token 690, the mean of its KV head's q heads: scores
+    near |q|^2 / 2, twice the others' largest), so the reduce's running max rises in its last step, which must
+    rescale the sum and the output of the steps before it."""
+    q, k, v, tables, lens, scale, gate, ks, vs = make_case(2, 4, 2, 40, 16, [700, 333], kv, q_dtype, seed=21)
+    splits, chunk = tables.shape[1], _REDUCE_TILE // (16 * _REDUCE_BLOCK_D)  # a split a block of the table
+    assert splits == 45 and chunk == 16 and -(-splits // chunk) == 3
+    blk, off = int(tables[0, 690 // 16]), 690 % 16
+    hot = q[0].float().view(2, 2, 40).mean(1)  # [kv_heads, D]
+    k[blk, off] = (hot if ks is None else hot / ks[blk, off][:, None]).to(k.dtype)
+    args = (q, k, v, tables, lens, scale, gate, ks, vs)
+    out = run_triton(*args, num_splits=45, block_n=16)
     torch.testing.assert_close(out, run_native(*args), **TOL[q_dtype])
 
 
