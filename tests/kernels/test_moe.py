@@ -424,6 +424,59 @@ def test_fused_moe_triton_transposed_x():
     scaled_close(got, moe.fused_moe.reference(x, w_gate_up, w_down, weights, ids), TOL[torch.float32])
 
 
+def nvfp4_exact(dense: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [E, R, K/2], e4m3 scales) of fp32 values [E, R, K] >= 0, each an E2M1 value times its block's
+    scale in `scale` [E, R, K/16], which e4m3 holds exactly: no rounding anywhere (checked)."""
+    table = torch.tensor(E2M1_VALUES)
+    mag = dense / scale.repeat_interleave(16, dim=-1)
+    codes = (mag[..., None] == table).int().argmax(dim=-1)
+    assert torch.equal(table[codes], mag) and torch.equal(scale.to(torch.float8_e4m3fn).float(), scale)
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale.to(torch.float8_e4m3fn)
+
+
+@FMT_PATHS
+def test_triton_rounds_each_expert_output_to_bf16_before_weighting(fmt, nvfp4_path):
+    """Exact, in bf16: one row, expert 2 of 4 with weight 1, whose down output is 1 + 3 * 2^-9 in fp32 (between
+    bf16's 1 and 1 + 2^-7). Rounded to bf16 before it is weighted, as the reference rounds it, it is 1 + 2^-7,
+    and the shared blend sigmoid(30) * -1 = -1 (sigmoid(30) is 1 in fp32) leaves 2^-7; unrounded it would leave
+    3 * 2^-9. x is one-hot, gate 32 (silu(32) = 32 in fp32) and up 1/32 make h 1 at i = 0 and 16, and down's
+    row 0 is 1 at i = 0 and 3 * 2^-9 at 16 (two NVFP4 blocks, each of its own scale): every value and sum is
+    exact in bf16, NVFP4 and fp32. The other outputs are 0. Unquantized experts through the dot kernels (their
+    only path), NVFP4 ones through the GEMVs and through the dot kernels."""
+    n, e, k, h, i = 1, 4, 1, 32, 32
+    x = torch.zeros(n, h, dtype=torch.bfloat16)
+    x[0, 0] = 1
+    w_gate_up, w_down = torch.zeros(e, 2 * i, h), torch.zeros(e, h, i)
+    w_gate_up[:, [0, 16], 0], w_gate_up[:, [i, i + 16], 0] = 32.0, 1 / 32
+    w_down[:, 0, 0], w_down[:, 0, 16] = 1.0, 3 * 2**-9
+    if fmt == "unq":
+        op, args = moe.fused_moe, dict(w_gate_up=w_gate_up.bfloat16(), w_down=w_down.bfloat16())
+        off_names = ("w_gate_up", "w_down")
+    else:
+        # gate 32 = 4 * a block scale 8, up 1/32 = 1 * 2^-5; down over a global 2^-4: 1 = 4 * 4, 3 * 2^-9 = 3 * 2^-5
+        gu_scale, dn_scale = torch.ones(e, 2 * i, h // 16), torch.ones(e, h, i // 16)
+        gu_scale[:, [0, 16], 0], gu_scale[:, [i, i + 16], 0] = 8.0, 2**-5
+        dn_scale[:, 0, 0], dn_scale[:, 0, 1] = 4.0, 2**-5
+        gu_weight, gu_scale = nvfp4_exact(w_gate_up, gu_scale)
+        dn_weight, dn_scale = nvfp4_exact(w_down / 2**-4, dn_scale)
+        args = dict(gu_weight=gu_weight, gu_scale=gu_scale, gu_global=torch.ones(e, 2), dn_weight=dn_weight,
+                    dn_scale=dn_scale, dn_global=torch.full((e,), 2**-4))
+        dense_gu, dense_dn = nvfp4_dense(args, i)
+        assert torch.equal(dense_gu, w_gate_up) and torch.equal(dense_dn, w_down)
+        op, off_names = moe.fused_moe_nvfp4, ("gu_global", "dn_global")
+    for name in off_names:
+        args[name][[0, 1, 3]] = float("nan")
+    shared_out = torch.zeros(n, h, dtype=torch.bfloat16)
+    shared_out[0, 0] = -1
+    blend = dict(shared_out=shared_out, shared_gate=torch.full((n, 1), 30.0, dtype=torch.bfloat16))
+    routed = dict(topk_weights=torch.ones(n, k), topk_ids=torch.tensor([[2]]))
+    got, want = run_both(op, x, {**args, **routed}, blend, k, i)
+    expected = torch.zeros(n, h, dtype=torch.bfloat16)
+    expected[0, 0] = 2**-7
+    assert torch.equal(want, expected) and torch.equal(got, expected)
+
+
 def far_rows(n: int, cols: int, dtype, device) -> torch.Tensor:
     """[n, cols] of NaN, rows 2^30 elements apart (row 2 from element 2^31 on), in a storage of which only these
     rows are written (torch.empty maps its pages when they are touched)."""
