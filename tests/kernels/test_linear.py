@@ -94,16 +94,22 @@ def test_split_k_agrees_with_unsplit(m):
     assert_matches(split, whole, x.abs() @ w.abs().T)
 
 
-def test_strided_input_and_output():
-    # x a column slice of a wider activation (row stride 96), out a column slice of a wider buffer.
-    x_wide, w = make_inputs(3, 33, 96, torch.bfloat16, seed=5)
+@pytest.mark.parametrize("m", [3, 17])                      # the FMA path, the dot path
+def test_strided_input_and_output(m):
+    # x a column slice of a wider activation (row stride 96); out a column slice of a wider buffer, and the
+    # transpose of a poisoned [N, M] buffer (columns M apart: the kernels step along N by out's stride).
+    x_wide, w = make_inputs(m, 33, 96, torch.bfloat16, seed=5)
     x = x_wide[:, :48]
     w = w[:, :48].contiguous()
-    out_wide = torch.full((3, 50), float("nan"), dtype=torch.bfloat16)
+    ref, abs_sum = _linear_native(x, w), x.float().abs() @ w.float().abs().T
+    out_wide = torch.full((m, 50), float("nan"), dtype=torch.bfloat16)
+    out_t = torch.full((33, m), float("nan"), dtype=torch.bfloat16)
     with ops.use_backend("triton"):
         linear_triton(x, w, out=out_wide[:, 10:43])
-    assert_matches(out_wide[:, 10:43], _linear_native(x, w), x.float().abs() @ w.float().abs().T)
+        linear_triton(x, w, out=out_t.T)
+    assert_matches(out_wide[:, 10:43], ref, abs_sum)
     assert out_wide[:, :10].isnan().all() and out_wide[:, 43:].isnan().all()
+    assert_matches(out_t.T, ref, abs_sum)
 
 
 def test_out_rows_further_apart_than_int32_indexes_are_written_right():

@@ -68,6 +68,18 @@ def test_matches_reference_with_planned_tiles(dtype, m, n, k, split_k):
         check(x, weight, scale, split_k=split_k)
 
 
+@pytest.mark.parametrize("m", [3, 17])                      # the FMA path, the dot path
+def test_out_whose_columns_lie_apart(m):
+    """out the transpose of a poisoned [N, M] buffer (columns M apart): the kernels step along N by out's
+    stride."""
+    x, weight, scale = make_inputs(m, 33, 48, torch.bfloat16, seed=m)
+    out_t = torch.full((33, m), float("nan"), dtype=torch.bfloat16)
+    with ops.use_backend("triton"):
+        linear_fp8_triton(x, weight, scale, out=out_t.T)
+    abs_sum = x.float().abs() @ (weight.float().abs() * scale[:, None]).T
+    assert_matches(out_t.T, _linear_fp8_native(x, weight, scale), abs_sum)
+
+
 @pytest.mark.parametrize("first,last", [(0, 8), (8, 16), (0, 16)])   # FMA path twice, tl.dot path
 def test_every_e4m3_value_decodes_exactly(first, last, device="cpu"):
     # All 254 finite E4M3 bit patterns (subnormals, both zeros, +-448) as a [16, 16] weight; x = rows of the
