@@ -104,10 +104,12 @@ def x_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_x_rows_pass_scales_x():
-    """x's pass for the fp16 dot alone, on x [3, 40] whose rows differ in size by 2^-100 .. 2^100 (and one all
-    zero), into buffers poisoned with -1: each row's exponent and its fp16 values bit for bit."""
+    """x's pass for the fp16 dot alone, on x [4, 40] whose rows differ in size by 2^-100 .. 2^100 (and one all
+    zero), into buffers poisoned with -1: each row's exponent and its fp16 values bit for bit. Row 1's largest
+    is its last element, in the last, partial block of 16: the exponent reads up to K's end."""
     gen = torch.Generator().manual_seed(7)
     x = (torch.randn(4, 40, generator=gen) * torch.tensor([[2.0**-100], [1.0], [2.0**100], [0.0]])).to(torch.bfloat16)
+    x[1, -1] = 4 * x[1].abs().max()
     x16 = torch.full((4, 40), -1.0, dtype=torch.float16)
     exps = torch.full((4,), -1, dtype=torch.int32)
     linear_module._x_f16_rows_kernel[(4,)](x, x16, exps, 40, x.stride(0), x.stride(1), BLOCK=16, PDL=False)
