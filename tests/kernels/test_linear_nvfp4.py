@@ -87,12 +87,15 @@ def test_matches_reference_with_planned_tiles(dtype, m, n, k, split_k):
 
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("splits", [1, 3, 7])
-def test_tensor_core_path_loads_ahead(stages, splits):
-    """num_stages - 1 (1 or 2) K steps loaded ahead: 7 steps of 32 with a partial last one, in one slice,
-    three, or seven single-step slices (the look-ahead clamped to the slice)."""
-    x, *w = nvfp4_inputs(5, 33, 208, torch.bfloat16, seed=stages)
+@pytest.mark.parametrize("k", [208, 224])
+def test_tensor_core_path_loads_ahead(stages, splits, k):
+    """num_stages - 1 (1 or 2) K steps loaded ahead: 7 steps of 32, in one slice, three, or seven single-step
+    slices (the look-ahead clamped to the slice). K = 208: a partial last step; K = 224: whole steps, but
+    three slices of 96 leave the last one step inside K (its steps past K masked, though K is a multiple of
+    block_k)."""
+    x, *w = nvfp4_inputs(5, 33, k, torch.bfloat16, seed=stages)
     with ops.use_backend("triton"):
-        check(x, *w, plan=make_plan(5, 33, 208, block_n=16, block_k=32, splits=splits, num_stages=stages))
+        check(x, *w, plan=make_plan(5, 33, k, block_n=16, block_k=32, splits=splits, num_stages=stages))
 
 
 @pytest.fixture
@@ -103,11 +106,12 @@ def lm_head(monkeypatch):
 
 
 @pytest.mark.parametrize("m,n,k,dtype", [(32, 33, 80, torch.bfloat16), (17, 130, 48, torch.bfloat16),
-                                         (20, 7, 48, torch.float16)], ids=str)
+                                         (20, 7, 48, torch.float16), (17, 7, 224, torch.bfloat16)], ids=str)
 def test_f16_dot_matches_reference(m, n, k, dtype, lm_head):
     """The fp16 dot on explicit tiles (several N tiles and K chunks, the last of each partial; split-K over 2
     or 3 slices, each with its own exponent; swapped operands), with and without look-ahead: exact products
-    summed in fp32, so the reference's bound (SUM_RTOL); bf16 rows 2^120 apart, each its own power of two."""
+    summed in fp32, so the reference's bound (SUM_RTOL); bf16 rows 2^120 apart, each its own power of two.
+    K = 224: whole K steps, but slices of 96 or 128 whose last one ends past K (its steps there masked)."""
     x, *w = nvfp4_inputs(m, n, k, dtype, seed=m * 100 + n)
     if dtype == torch.bfloat16:                                      # fp16 holds no 2^60
         x = (x.float() * torch.exp2(torch.tensor([60.0, -60.0] * 16)[:m, None])).to(dtype)
@@ -204,15 +208,15 @@ def test_x_pass_scales_and_pairs_x(x_scale):
 
 @pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_gemv_f16_sums_with_and_without_look_ahead(stages, splits, x_pass, dtype=torch.bfloat16):
-    """The 16-bit-x GEMV loads the next K step's words ahead of its sums (num_stages > 1) or not: 7 steps of
-    32 with a partial last one, in one slice or three (the look-ahead of a slice's last step reloads it)."""
-    x, *w = nvfp4_inputs(1, 33, 208, dtype, seed=stages)
+@pytest.mark.parametrize("k", [208, 192, 224])
+def test_gemv_f16_sums_with_and_without_look_ahead(stages, splits, k, x_pass, dtype=torch.bfloat16):
+    """The 16-bit-x GEMV loads the next K step's words ahead of its sums (num_stages > 1) or not: steps of 32
+    in one slice or three (the look-ahead of a slice's last step reloads it). K = 208: a partial last step;
+    192: every step whole, no K masks; 224: whole steps, but three slices of 96 leave the last one step
+    inside K (its steps past K masked, though K is a multiple of block_k)."""
+    x, *w = nvfp4_inputs(1, 33, k, dtype, seed=stages)
     with ops.use_backend("triton"):
-        check(x, *w, plan=make_plan(1, 33, 208, block_n=16, block_k=32, splits=splits, block_m=1, num_stages=stages))
-    x, *w = nvfp4_inputs(1, 33, 192, dtype, seed=stages)           # every step whole: no K masks
-    with ops.use_backend("triton"):
-        check(x, *w, plan=make_plan(1, 33, 192, block_n=16, block_k=32, splits=splits, block_m=1, num_stages=stages))
+        check(x, *w, plan=make_plan(1, 33, k, block_n=16, block_k=32, splits=splits, block_m=1, num_stages=stages))
 
 
 @pytest.mark.parametrize("x_scale", [0.0, 2.0**-120, 2.0**-60, 2.0**60, 2.0**100], ids=lambda v: f"{v:g}")
@@ -227,11 +231,14 @@ def test_gemv_f16_sums_scale_x_by_a_power_of_two(x_scale, x_pass):
 
 
 @pytest.mark.parametrize("m", [2, 3, 8])
-@pytest.mark.parametrize("dtype,n,k", [(torch.bfloat16, 33, 208), (torch.float16, 7, 192)], ids=str)
+@pytest.mark.parametrize("dtype,n,k", [(torch.bfloat16, 33, 208), (torch.float16, 7, 192), (torch.bfloat16, 7, 224)],
+                         ids=str)
 def test_gemv_rows_matches_reference(dtype, n, k, m):
     """2 <= M <= 8 rows of 16-bit x on the GEMV of several rows (block_m M rounded up to a power of two or
     8): single-block K steps, then steps of 32 in three slices with and without look-ahead; a partial last K
-    step (208) and none (192); bf16 rows 2^120 apart in size, each scaled by its own power of two."""
+    step (208), none (192), and whole steps whose last slice of 96 has one step inside K (224: its steps past
+    K masked, though K is a multiple of block_k); bf16 rows 2^120 apart in size, each scaled by its own power
+    of two."""
     x, *w = nvfp4_inputs(m, n, k, dtype, seed=m + n)
     if dtype == torch.bfloat16:                                      # fp16 holds no 2^60
         x = (x.float() * torch.exp2(torch.tensor([60.0, -60.0] * 4)[:m, None])).to(dtype)
