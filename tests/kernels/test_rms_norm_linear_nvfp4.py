@@ -47,19 +47,23 @@ def test_norm_makes_x_pass_of_its_output(w_scale, residual):
     """The norm of x [4, 48] (slices of 32, a partial last one; BLOCK_H 64 holds 16 masked columns) writes
     into poisoned buffers what x's pass writes for its output, bit for bit, and the same output as without
     the pairs. The weight's scale moves the output far from 1 (the exponents with it), and row 2 is zero
-    (its exponents 127)."""
+    (its exponents 127). Each other row's largest output is its column 32, the first of the second slice, 4
+    times or more the first slice's largest: a slice reaching one column too far takes its exponent."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(4, 48, generator=gen).to(torch.bfloat16)
+    x[:, 32] = 8 * x.abs().max()
     x[2] = 0.0
     res = torch.randn(4, 48, generator=gen).to(torch.bfloat16) if residual else None
     if res is not None:
         res[2] = 0.0
     w = (torch.randn(48, generator=gen) * w_scale).to(torch.bfloat16)
+    w[32] = w.abs().max()
     x_pairs = poisoned_pairs(4, 48, 32)
     with ops.use_backend("triton"):
         got = rms_norm_triton(x, w, 1e-6, False, res, x_pairs=x_pairs)
         want = rms_norm_triton(x, w, 1e-6, False, res)
     y = got[0] if residual else got
+    assert (y[[0, 1, 3], 32].float().abs() >= 4 * y[[0, 1, 3], :32].float().abs().amax(dim=1)).all()
     for a, b in zip(got if residual else [got], want if residual else [want]):
         assert torch.equal(a, b)
     assert y[2].eq(0).all() and x_pairs.exps[2].eq(127).all()
