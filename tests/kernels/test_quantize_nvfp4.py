@@ -154,10 +154,10 @@ def test_half_input_and_fresh_outputs(device):
 def test_absmax_over_many_programs_and_iterations(device):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(1000, generator=gen).to(device)
-    x[777] = -40.0
+    x[900] = -40.0                                             # program 2's third block of 64
     bits = global_absmax_bits(x, block=64, max_programs=3)     # 3 programs x 6 iterations, the last masked
     assert bits.item() == torch.tensor(40.0).view(torch.int32).item()
-    x[5] = float("nan")
+    x[100] = float("nan")                                      # program 0's second block
     assert global_absmax_bits(x, block=64, max_programs=3).item() >= 0x7F800000
 
 
