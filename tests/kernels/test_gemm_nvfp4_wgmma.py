@@ -271,11 +271,14 @@ def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def run_wgmma(x: torch.Tensor, weight, scale, scale_2, out_dtype, tile: WgmmaTile | None = None):
+def run_wgmma(x: torch.Tensor, weight, scale, scale_2, out_dtype, tile: WgmmaTile | None = None,
+              out: torch.Tensor | None = None):
+    """The wgmma kernel alone on x's pass of x, into `out` (of out_dtype) or a poisoned [M, N] of out_dtype."""
     from mtpfactory.kernels.gemm_nvfp4_wgmma import gemm_nvfp4_wgmma
     m, k = x.shape
     made = XPairs.empty(m, k, k, x.device, ORDER).fill(x)
-    out = torch.full((m, weight.shape[0]), float("nan"), dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.full((m, weight.shape[0]), float("nan"), dtype=out_dtype, device=x.device)
     gemm_nvfp4_wgmma(made.pairs.view(torch.float16), made.exps, weight.view(torch.int32), scale.view(torch.uint8),
                      scale_2.reshape(1), out, False, tile)
     return out
@@ -293,6 +296,22 @@ def test_gpu_wgmma_matches_reference(m, n, k, out_dtype):
     out = run_wgmma(x, weight, scale, scale_2, out_dtype)
     w = dequantize_nvfp4(weight, scale, scale_2)
     assert_matches(out, (x.float() @ w.T).to(out_dtype), x.float().abs() @ w.abs().T, sum_rtol=SUM_RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
+@pytest.mark.parametrize("m", [3, 9, 17])
+def test_gpu_wgmma_writes_no_row_past_m(m):
+    """out the first M rows of a poisoned [M + 1, N] buffer, M under the program's 8, 16 or 32 rows: the tile's
+    row M (x's zero-filled row past M, which would store 0) is stored nowhere, so the buffer's last row stays
+    NaN, and rows 0 .. M - 1 match the reference."""
+    n, k = 129, 512
+    x, weight, scale, scale_2 = nvfp4_inputs(m, n, k, torch.bfloat16, seed=m, device="cuda")
+    buf = torch.full((m + 1, n), float("nan"), dtype=torch.float32, device="cuda")
+    run_wgmma(x, weight, scale, scale_2, torch.float32, out=buf[:m])
+    w = dequantize_nvfp4(weight, scale, scale_2)
+    assert_matches(buf[:m], x.float() @ w.T, x.float().abs() @ w.abs().T, sum_rtol=SUM_RTOL)
+    assert bool(buf[m].isnan().all())
 
 
 _TILES = {"one-warpgroup-ring-of-4": WgmmaTile(bn=64, warps=4, stages=4, parts=2, maxnreg=48),
