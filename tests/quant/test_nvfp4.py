@@ -63,6 +63,26 @@ def test_known_blocks_codes_bytes_and_scales():
     assert dequantize_nvfp4(weight, scale, scale_2).tolist() == [expected]
 
 
+def test_elements_divide_by_the_product_of_the_scales():
+    # amax 6 -> global = fl(6 / 2688) = fl(1/448), a little above 1/448; scale e4m3(6 / 6 / global) = 448, and
+    # fl(448 * global) = 1: 1.75 and 3.5 divide to exact ties, to the even codes 4 (2.0) and 6 (4.0). Divided
+    # by the scale first and then by the global (1.75 / 448 = 2^-8, exact), they land an ulp under the ties
+    # (codes 3 and 5).
+    weight, scale, scale_2 = quantize_nvfp4(torch.tensor([[6.0, 1.75, 3.5] + [0.0] * 13]))
+    assert scale.float().tolist() == [[448.0]] and scale_2.item() == torch.tensor(1 / 448).item()
+    assert codes_of(weight)[0][:3] == [7, 4, 6]
+
+
+def test_block_scales_divide_by_6_then_by_the_global():
+    # amax 256 -> global = fl(256 / 2688) = fl(2/21). Block 1's amax 2^-8: fl(fl(2^-8 / 6) / global) is
+    # 2^-8 * 2688 / (6 * 256) = 3.5 * 2^-9 exactly, an E4M3 subnormal tie -> 4 * 2^-9 = 2^-7 (even). Divided by
+    # fl(6 * global) instead, it lands under the tie: 3 * 2^-9.
+    w = torch.tensor([[256.0] + [0.0] * 15 + [2.0**-8] + [0.0] * 15])
+    _, scale, scale_2 = quantize_nvfp4(w)
+    assert scale_2.item() == torch.tensor(2 / 21).item()
+    assert scale.float().tolist() == [[448.0, 2.0**-7]]
+
+
 TIES = [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0)]
 
 
