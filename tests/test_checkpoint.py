@@ -70,11 +70,35 @@ def test_each_tensor_is_read_from_disk_once_through_one_open_handle(tmp_path, mo
             reads[name] += 1
             return self.st.get_tensor(name)
 
+        def get_slice(self, name):   # a header's dtype (`stored_dtype`), not a read
+            return self.st.get_slice(name)
+
     monkeypatch.setattr(checkpoint, "safe_open", CountingOpen)
     mtpfactory.build_head(cfg, tmp_path)
     assert reads and set(reads.values()) == {1}, reads.most_common(3)
     # opening a file parses its whole header: once per shard, not once per tensor
     assert opens == {"model-00001-of-00002.safetensors": 1, "model-00002-of-00002.safetensors": 1}, opens
+
+
+def test_fp8_experts_are_told_from_the_header_without_reading_them(tmp_path, monkeypatch):
+    """A checkpoint's fused FP8 experts (no scale beside them to name them) are found by the dtype in the file's
+    header: the MoE head refuses them before reading a byte of them."""
+    cfg = mtpfactory.compose("+head=bf16_moe", "runtime.dtype=float32", "runtime.device=cpu")
+    tensors = qwen_mtp_weights(cfg.model, "moe", seed=3, fused_experts=True)
+    for name in ("mtp.layers.0.mlp.experts.gate_up_proj", "mtp.layers.0.mlp.experts.down_proj"):
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    _save_sharded(tensors, tmp_path, 2)
+    reads = Counter()
+    get_tensor = safe_open.get_tensor
+
+    def counting(handle, name):
+        reads[name] += 1
+        return get_tensor(handle, name)
+
+    monkeypatch.setattr(safe_open, "get_tensor", counting, raising=False)
+    with pytest.raises(WeightsError, match="FP8 experts True.*BF16 release"):
+        mtpfactory.build_head(cfg, tmp_path)
+    assert not [n for n in reads if ".experts." in n]
 
 
 def test_a_directory_without_safetensors_is_refused(tmp_path):

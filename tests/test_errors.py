@@ -238,23 +238,12 @@ def test_dense_head_on_moe_weights():
 def fp8_moe_weights(form: str) -> dict[str, torch.Tensor]:
     """The tiny MoE weights with their experts stored FP8, as an FP8 release writes them: e4m3 per expert with a
     block-128 `weight_scale_inv` or a per-tensor `weight_scale` beside each, or fused e4m3 experts."""
-    w = qwen_mtp_weights(mtpfactory.compose("+head=bf16_moe").model, "moe", 0)
-    experts = "mtp.layers.0.mlp.experts."
-    if form == "fused":
-        e = w["mtp.layers.0.mlp.experts.0.gate_proj.weight"].shape[0]
-        names = sorted(k for k in w if k.startswith(experts))
-        num = 1 + max(int(k[len(experts):].split(".")[0]) for k in names)
-        w[experts + "gate_up_proj"] = torch.stack([torch.cat([w[f"{experts}{i}.gate_proj.weight"],
-                                                             w[f"{experts}{i}.up_proj.weight"]]) for i in range(num)])
-        w[experts + "down_proj"] = torch.stack([w[f"{experts}{i}.down_proj.weight"] for i in range(num)])
-        for k in names:
-            del w[k]
-        assert w[experts + "gate_up_proj"].shape[1] == 2 * e
-        w[experts + "gate_up_proj"] = w[experts + "gate_up_proj"].to(torch.float8_e4m3fn)
-        return w
-    for k in [k for k in w if k.startswith(experts) and k.endswith("_proj.weight")]:
+    model = mtpfactory.compose("+head=bf16_moe").model
+    w = qwen_mtp_weights(model, "moe", 0, fused_experts=form == "fused")
+    for k in [k for k in w if k.startswith("mtp.layers.0.mlp.experts.")]:
         w[k] = w[k].to(torch.float8_e4m3fn)
-        w[k.removesuffix("weight") + form] = torch.ones((1, 1) if form == "weight_scale_inv" else ())
+        if form != "fused":
+            w[k.removesuffix("weight") + form] = torch.ones((1, 1) if form == "weight_scale_inv" else ())
     return w
 
 

@@ -46,6 +46,12 @@ def _object_or_none(fields: dict, name: str) -> dict:
     return value or {}
 
 
+# safetensors' header dtypes (`get_slice(name).get_dtype()`) as torch's
+_SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BF16": torch.bfloat16,
+                       "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "U8": torch.uint8,
+                       "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
 class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -157,6 +163,15 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
             raise WeightsError(name, file.name, f"could not be read from {file}: {e}",
                                f"re-download {file.name}, or re-export the checkpoint (a stale {INDEX} can name a "
                                "tensor its shard lacks)") from e
+
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        """`name`'s dtype as its file's header gives it, without reading the tensor; None for a dtype torch lacks,
+        or a shard missing or unreadable (reading the tensor then refuses it by name: `__getitem__`)."""
+        file = self._where[name]
+        try:
+            return _SAFETENSORS_DTYPES.get(self._handle(file).get_slice(name).get_dtype()) if file.exists() else None
+        except (SafetensorError, OSError):
+            return None
 
     def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor to find out
         return name in self._where

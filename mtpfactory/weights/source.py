@@ -65,7 +65,10 @@ class TensorSource:
     def dtype(self, name: str) -> torch.dtype | None:
         """The stored dtype of `name` (under any spelling of its prefix), or None when it is missing; reads nothing."""
         key = self._resolve(name)
-        return None if key is None else self._tensors[key].dtype
+        if key is None:
+            return None
+        stored = getattr(self._tensors, "stored_dtype", None)   # a checkpoint's, from its header
+        return stored(key) if stored else self._tensors[key].dtype
 
     def mtp_names(self) -> list[str]:
         """The checkpoint's names under any spelling of the MTP prefix."""
