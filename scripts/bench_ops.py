@@ -130,12 +130,13 @@ def _with(backend: str, op, *args, **kwargs):
 KV_FORMATS = {"bf16": "bf16", "fp8": "fp8 (unit scales)", "fp8_scaled": "fp8 (scales)"}
 
 
-def attention_setups(ms: list[int], kvs: tuple[str, ...] = tuple(KV_FORMATS)):
+def attention_setups(ms: list[int], kvs: tuple[str, ...] = tuple(KV_FORMATS), context: int | None = None):
     """(name, batch, floor bytes, [each call's operands]) for paged decode attention with the output gate, for
     each KV format of `kvs` (`KV_FORMATS`: BF16, FP8 with unit scales, FP8 with per-token scales), every
-    sequence at the same context; each call its own blocks. The floor counts K and V of the contexts (and
-    their scales), q, the gate and out."""
+    sequence at the same context (`context` tokens, a multiple of the block; None: QWEN3_NEXT_ATTN's); each call
+    its own blocks. The floor counts K and V of the contexts (and their scales), q, the gate and out."""
     hq, hkv, d, ctx, bs = QWEN3_NEXT_ATTN.values()
+    ctx = context or ctx
     gen = torch.Generator(DEVICE).manual_seed(1)
     per_seq = ctx // bs
     for b in ms:

@@ -5,7 +5,7 @@ per-token scales), each call on its own blocks; each figure beside its floor (K 
 copy bandwidth), the default tuning's (the op's) in the same rounds, and its error against the reference.
 
     python3 scripts/sweep_attention.py [--batches 1,8,32] [--splits 0,16,32,64,128] [--block-n 16,64]
-        [--warps 4] [--fast-dot 0] [--stages 0] [--kv bf16,fp8,fp8_scaled] [--rounds 3]
+        [--warps 4] [--fast-dot 0] [--stages 0] [--kv bf16,fp8,fp8_scaled] [--context 4096] [--rounds 3]
         (splits 0: the default, `_default_splits`; stages 0: the default, 1 for an FP8 cache and 3 otherwise
         (`_tuning_defaults`); fast_dot's default is 1 for an FP8 cache, 0 otherwise; every combination is timed)
 """
@@ -35,8 +35,13 @@ def main() -> int:
     ap.add_argument("--fast-dot", default="0", help="0, 1 or 0,1: the dots in fp32 (tf32), or fast (_dot_dtype)")
     ap.add_argument("--stages", default="0", help="software pipeline depths; 0: the default (1 for FP8, else 3)")
     ap.add_argument("--kv", default=",".join(KV_FORMATS), help=f"KV formats, of {', '.join(KV_FORMATS)}")
+    ap.add_argument("--context", type=int, default=None,
+                    help="tokens a sequence, a multiple of 16 (default: bench_ops.py's 4096); 16 calls of B sequences "
+                         "each hold their own blocks, so B 32 at 16384 is 8.6 GB of FP8 K and V")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.context is not None and (args.context < 16 or args.context % 16):
+        ap.error(f"--context {args.context}: a positive multiple of the 16-token block")
     kvs = tuple(args.kv.split(","))
     if unknown := set(kvs) - set(KV_FORMATS):
         ap.error(f"--kv {args.kv}: {', '.join(sorted(unknown))} unknown; the formats are {', '.join(KV_FORMATS)}")
@@ -45,7 +50,8 @@ def main() -> int:
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
     variants = [(s or None, bn, w, bool(f), st or None) for s in ints(args.splits) for bn in ints(args.block_n)
                 for w in ints(args.warps) for f in ints(args.fast_dot) for st in ints(args.stages)]
-    for name, b, floor_bytes, operands in attention_setups([int(v) for v in args.batches.split(",")], kvs):
+    batches = [int(v) for v in args.batches.split(",")]
+    for name, b, floor_bytes, operands in attention_setups(batches, kvs, args.context):
         want = paged_decode_attention.reference(*operands[0])
         calls, errs = {}, {}
         for v in variants:

@@ -56,17 +56,21 @@ def test_bench_ops_times_the_nvfp4_moe_dot_kernels_beside_the_gemvs_only_where_t
     assert dots == {("bf16", 1): False, ("nvfp4", 1): True, ("bf16", 3): False, ("nvfp4", 3): False}
 
 
-def test_sweep_attention_runs_every_variant_against_the_reference(tiny, monkeypatch, capsys):
-    """The sweep's loop with the GPU's timing stubbed: one line a variant and setup, each with a small error."""
+@pytest.mark.parametrize("context", [None, 80])
+def test_sweep_attention_runs_every_variant_against_the_reference(tiny, monkeypatch, capsys, context):
+    """The sweep's loop with the GPU's timing stubbed: one line a variant and setup, each with a small error, at
+    the setups' context or the one --context asks."""
     monkeypatch.setattr(sweep_attention, "copy_bandwidth", lambda: 1e12)
     monkeypatch.setattr(sweep_attention, "graph_time_us", lambda calls: ([c() for c in calls] and 1.0,))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(sys, "argv", ["sweep_attention.py", "--batches", "1,3", "--splits", "0,2", "--block-n", "16",
-                                      "--stages", "0,2", "--fast-dot", "1", "--rounds", "1"])
+                                      "--stages", "0,2", "--fast-dot", "1", "--rounds", "1",
+                                      *(["--context", str(context)] if context else [])])
     assert sweep_attention.main() == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("paged_decode_attention")]
     assert len(rows) == 3 * 2 * 2 * 2          # KV formats x batches x splits x stages
+    assert all(f"context {context or 48} " in row for row in rows)
     assert all(float(row.rsplit("err ", 1)[1]) < TOL for row in rows)
 
 
