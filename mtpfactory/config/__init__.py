@@ -90,9 +90,9 @@ def _type_refusal(key: str, value: str) -> ConfigError | None:
         t = types[name]
         shown = t.__name__ if isinstance(t, type) else str(t).replace("typing.", "")
         default = {f.name: f.default for f in dataclasses.fields(kind)}[name]
+        example = f", e.g. its default {default!r}" if default not in (MISSING, dataclasses.MISSING, None) else ""
         return ConfigError(key, value, f"not a value of the field's type, {shown}",
-                           f"give {key} a value of type {shown}"
-                           + (f", e.g. its default {default!r}" if default not in (MISSING, dataclasses.MISSING, None) else ""))
+                           f"give {key} a value of type {shown}{example}")
     return None
 
 

@@ -217,7 +217,7 @@ def check_ffn_form(ctx: BuildContext, form: str) -> None:
                            "the MTP layer), or list that file's tensors in the index's weight_map")
     dense = w.has(LAYER + "mlp.gate_proj.weight")
     moe = w.has(LAYER + "mlp.gate.weight")
-    fp8 = fp8_experts(w)
+    fp8 = _fp8_experts(w)
     found = f"the weights carry: dense FFN {dense}, MoE router {moe}, FP8 experts {fp8}"
     if not ((form == "dense" and dense) or (form == "moe" and moe)):
         fix = "check the checkpoint's MTP tensors"
@@ -235,7 +235,7 @@ def check_ffn_form(ctx: BuildContext, form: str) -> None:
                            "is not built yet)")
 
 
-def fp8_experts(w) -> bool:
+def _fp8_experts(w) -> bool:
     """Whether the checkpoint's MTP experts are stored FP8: e4m3/e5m2 codes (per expert or fused) or the scales
     that go with them (a block-128 `weight_scale_inv`, or a per-tensor `weight_scale`)."""
     experts = LAYER + "mlp.experts."

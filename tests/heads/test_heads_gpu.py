@@ -14,8 +14,8 @@ logits' relative error (Frobenius) against it: the Triton path's under 2e-2, as 
 experts measured 2.4e-2 (5.2e-3 to 5.9e-3 elsewhere), which failed the first form of this test, the Triton
 path against the native one: one of its six step rows chose another expert than float32's for one of its ten
 slots, a near-tie broken the other way by the bf16 roundings (scripts/probe_moe_routing.py, H100, 2026-12-05:
-that row 5.9e-2, the other five 4.5e-3 to 4.9e-3). (Not the argmax tokens: over 150k-250k logits of random weights the top two lie
-closer than the bf16 roundings.)
+that row 5.9e-2, the other five 4.5e-3 to 4.9e-3). (Not the argmax tokens: over 150k-250k logits of random
+weights the top two lie closer than the bf16 roundings.)
 """
 
 from __future__ import annotations

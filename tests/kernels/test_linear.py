@@ -211,7 +211,8 @@ def test_operands_the_kernels_cannot_take_are_refused_by_the_provider_as_by_the_
              ((torch.cat([x] * 17), w), r"^x='34 rows': the linear kernels take up to 32"),
              ((x[0], w), r"^x='torch.float32 \(16,\)': a 2-D"),
              ((x.double(), w.double()), r"^x='torch.float64 .*: a 2-D bf16, fp16 or fp32"),
-             ((x, f8, torch.ones(7, dtype=torch.float64)), r"^weight_scale='torch.float64 \(7,\)'.*float32 \[N\] = \[7\]"),
+             ((x, f8, torch.ones(7, dtype=torch.float64)),
+              r"^weight_scale='torch.float64 \(7,\)'.*float32 \[N\] = \[7\]"),
              ((x, f8, torch.ones(8)), r"^weight_scale='torch.float32 \(8,\)'"),
              ((x, w, torch.ones(7)), r"^weight='torch.float32 .*: a torch.float8_e4m3fn \[N, K = 16\]")]
     for args, match in cases:
