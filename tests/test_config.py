@@ -2,12 +2,16 @@
 and over the environment; levers read MTPF_* variables."""
 
 import pytest
+import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 
 import mtpfactory
+from mtpfactory.build import runtime_device
 from mtpfactory.errors import ConfigError, UnknownNameError
+from mtpfactory.weights.synthetic import qwen_mtp_weights
 
 
 def test_head_implies_its_model_preset_and_quant():
@@ -120,3 +124,57 @@ def test_compose_refuses_a_key_the_schema_lacks_set_without_plus():
     with pytest.raises(mtpfactory.ConfigError, match=r"^levers.kv_exct='1': not a config key.*did you mean "
                                                      r"levers.kv_exact\?"):
         mtpfactory.compose("+head=dense", "levers.kv_exct=1")
+
+
+@pytest.mark.parametrize("value, want", [("TRUE", True), ("Yes", True), ("OFF", False), ("On", True)])
+def test_a_switch_lever_reads_its_words_from_the_environment_in_any_case(monkeypatch, value, want):
+    """The command line takes `levers.kv_exact=TRUE`; the environment takes the same words the same way."""
+    monkeypatch.setenv("MTPF_KV_EXACT", value)
+    assert mtpfactory.compose("+head=dense", "kv=fp8").levers.kv_exact is want
+
+
+def test_compose_refuses_a_key_the_schema_lacks_added_with_plus():
+    """Hydra appends `+key=value` as written: compose refuses it, or the typo would run as if absent."""
+    with pytest.raises(ConfigError, match=r"^quantt='fp8': not a config key"):
+        mtpfactory.compose("+head=dense", "+quantt=fp8")
+    with pytest.raises(ConfigError, match=r"^levers.kv_exct=True: not a config key.*did you mean levers.kv_exact\?"):
+        mtpfactory.compose("+head=dense", "+levers.kv_exct=true")
+    with pytest.raises(ConfigError, match=r"^head._target_='os.system'.*never by _target_"):
+        mtpfactory.compose("+head=dense", "+head._target_=os.system")
+
+
+def test_compose_returns_the_levers_as_the_environment_was_when_it_composed(monkeypatch):
+    """compose resolves the config: a variable changed (or a lever's default read) later does not change it."""
+    monkeypatch.setenv("MTPF_KV_EXACT", "1")
+    monkeypatch.setenv("MTPF_MTP_VOCAB_SIZE", "100")
+    cfg = mtpfactory.compose("+head=dense", "kv=fp8")
+    monkeypatch.setenv("MTPF_KV_EXACT", "0")
+    monkeypatch.delenv("MTPF_MTP_VOCAB_SIZE")
+    assert (cfg.levers.kv_exact, cfg.levers.mtp_vocab_size) == (True, 100)
+    assert "oc.env" not in OmegaConf.to_yaml(cfg)
+
+
+def test_runtime_device_auto_is_cuda_where_a_gpu_is_available(monkeypatch):
+    cfg = mtpfactory.compose("+head=dense")
+    assert runtime_device(cfg) == torch.device("cpu" if not torch.cuda.is_available() else "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert runtime_device(cfg) == torch.device("cuda")
+    assert runtime_device(mtpfactory.compose("+head=dense", "runtime.device=cpu")) == torch.device("cpu")
+
+
+def test_weights_seed_picks_the_synthetic_weights():
+    model = mtpfactory.compose("+head=dense").model
+    a, b, again = (qwen_mtp_weights(model, "dense", seed) for seed in (0, 1, 0))
+    assert all(torch.equal(a[n], again[n]) for n in a)
+    assert not any(torch.equal(a[n], b[n]) for n in a if n.endswith("proj.weight"))
+
+
+def test_synthetic_weights_size_the_shared_expert_by_its_own_width():
+    """The seeds sized the shared expert with the experts' width (DESIGN 2): a preset whose widths differ built
+    misshapen synthetic tensors, refused by the head."""
+    cfg = mtpfactory.compose("+head=bf16_moe", "runtime.dtype=float32", "runtime.device=cpu",
+                             "model.shared_expert_intermediate_size=80")
+    w = qwen_mtp_weights(cfg.model, "moe", 0)
+    assert w["mtp.layers.0.mlp.shared_expert.gate_proj.weight"].shape == (80, 64)
+    assert w["mtp.layers.0.mlp.experts.0.gate_proj.weight"].shape == (48, 64)
+    mtpfactory.build_head(cfg)
