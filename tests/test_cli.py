@@ -1,12 +1,13 @@
 """The CLI, run as a user runs it."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 import mtpfactory
-from mtpfactory.cli import _check_args, _demo
+from mtpfactory.cli import _check_args, _check_demo, _demo
 
 
 def cli(*args, cwd):
@@ -136,3 +137,23 @@ def test_the_demo_times_its_prefill_after_a_warm_up_of_the_same_calls(monkeypatc
     assert calls == [("prefill", 0), ("prefill", 1), ("free", 0), ("free", 1), ("prefill", 0), ("prefill", 1)]
     # prompts of 40 and 47 rows, 4 drafts each, blocks of 16: 3 + 4 blocks
     assert row["KV blocks"].startswith(f"{head.cache.blocks_in_use}/") and head.cache.blocks_in_use == 3 + 4
+
+
+def test_a_malformed_lever_variable_refuses_the_run_naming_it(tmp_path):
+    """`MTPF_KV_EXACT=2` would read as a bool (switched on): the run is refused naming the variable, exit 1."""
+    env = dict(os.environ, MTPF_KV_EXACT="2")
+    run = subprocess.run([sys.executable, "-m", "mtpfactory", "+head=dense"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 1 and "refused: MTPF_KV_EXACT='2': levers.kv_exact is a switch" in run.stdout
+    assert "Traceback" not in run.stderr + run.stdout
+
+
+def test_the_demo_cuts_its_prompts_so_the_drafts_fit_max_seq_len():
+    """The smallest max_seq_len the demo takes (demo.k + 2): prompts of one row, then k drafts at positions
+    1..k, all below max_seq_len."""
+    cfg = mtpfactory.compose("+head=dense", "runtime.device=cpu", "runtime.max_seq_len=6", "demo.sequences=2")
+    _check_demo(cfg)
+    head = mtpfactory.build_head(cfg)
+    row = _demo(cfg, head)
+    assert row["result"] == "ok" and len(row["drafts"].split()) == 4
+    assert all((s.start, s.end) == (0, 5) for s in head.cache.seqs.values())
