@@ -299,3 +299,71 @@ def test_a_predicate_registered_as_a_refusal_is_named_not_silently_never_chosen(
     op.register_provider("triton", lambda x: x, lambda x: True, can_run=lambda *ts: True)
     with ops.use_backend("auto"), pytest.raises(TypeError, match="its refusal returned True.*not a predicate"):
         op(torch.zeros(2))
+
+
+def test_entry_points_load_once_at_the_first_lookup_of_a_name_no_builtin_holds(empty_registry, monkeypatch):
+    """`registry.get` finds a plugin's component without the CLI (serving code composes and builds); the entry
+    points load once, not again at every lookup (a callable entry point re-run, a broken one logged again)."""
+    (empty_registry / "mtpf_test_counted.py").write_text(textwrap.dedent("""
+        import mtpfactory
+
+        calls = []
+
+        def load():
+            calls.append(1)
+            mtpfactory.register("ffn", "counted", lambda ctx, prefix: None)
+    """))
+    eps = [importlib.metadata.EntryPoint("counted", "mtpf_test_counted:load", registry.ENTRY_POINT_GROUP)]
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group: eps if group == registry.ENTRY_POINT_GROUP else [])
+    registry.get("ffn", "swiglu")
+    assert "mtpf_test_counted" not in sys.modules      # a built-in's lookup loads no plugin
+    assert registry.get("ffn", "counted") is not None
+    assert "counted" in registry.names("ffn") and "counted" in registry.names("ffn")
+    with pytest.raises(UnknownNameError):
+        registry.get("ffn", "uncounted")
+    assert sys.modules["mtpf_test_counted"].calls == [1]
+
+
+def test_the_same_code_with_other_defaults_or_a_local_class_of_one_factory_is_another_builder(empty_registry):
+    """Only a module re-import makes the same builder again: a `def` of equal code with other defaults (a loop's
+    `k=k`), or a class defined inside a factory, is a second builder under the taken name."""
+    for k in (1, 2):
+        def scaled(ctx, prefix, k=k):
+            return k
+        if k == 1:
+            registry.register("ffn", "scaled", scaled)
+            registry.register("ffn", "scaled", scaled)      # the same function again: fine
+        else:
+            with pytest.raises(ConfigError, match="taken"):
+                registry.register("ffn", "scaled", scaled)
+    assert registry.get("ffn", "scaled")(None, "") == 1
+
+    def factory():
+        class Local:
+            pass
+        return Local
+
+    first, second = factory(), factory()
+    assert registry.same_definition(first, first) and not registry.same_definition(first, second)
+    registry.register("ffn", "local", first)
+    with pytest.raises(ConfigError, match="taken"):
+        registry.register("ffn", "local", second)
+
+
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_a_head_is_built_under_its_configured_backend(empty_registry, backend):
+    """Build-time quantization runs the same ops as the forward: under `runtime.backend`, not `auto` (an explicit
+    `triton` that cannot serve an op must refuse at build too)."""
+    seen = []
+
+    def probe(ctx, prefix):
+        seen.append(ops._backend.get())
+        return build_swiglu(ctx, prefix)
+
+    registry.register("ffn", "backend_probe", probe)
+    cfg = mtpfactory.compose("+head=dense", "runtime.dtype=float32", "runtime.device=cpu",
+                             f"runtime.backend={backend}", "runtime.max_seqs=4", "runtime.prefill_chunk=32",
+                             "head.ffn=backend_probe")
+    mtpfactory.build_head(cfg)
+    assert seen == [backend] and ops._backend.get() == "auto"
