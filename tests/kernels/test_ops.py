@@ -1,6 +1,7 @@
 """The op registry: every op the heads use has its reference and a Triton provider (DESIGN 4); a kernel the GPU
 cannot load falls back under `auto`."""
 
+import os
 import re
 
 import pytest
@@ -138,3 +139,39 @@ def test_an_ops_signature_is_its_references():
     import inspect
     for op in ops.all_ops().values():
         assert inspect.signature(op) == inspect.signature(op.reference), op.name
+
+
+def test_auto_falls_back_per_op_logging_the_op_at_debug_level(caplog):
+    """`auto` on CPU tensors: the reference, and a debug line naming the op and the call (DESIGN 4)."""
+    from mtpfactory import kernels as K
+    x, w = torch.randn(3, 64), torch.randn(64)
+    with ops.use_backend("auto"), caplog.at_level("DEBUG", logger="mtpfactory.ops"):
+        got = K.rms_norm(x, w, 1e-6, False)
+    assert torch.equal(got, K.rms_norm.reference(x, w, 1e-6, False))
+    lines = [r for r in caplog.records if r.name == "mtpfactory.ops" and "op rms_norm" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "DEBUG"
+    assert "no fast provider serves this call ((3, 64) float32 cpu, (64,) float32 cpu); using native" in \
+        lines[0].getMessage()
+
+
+def test_the_interpreter_serves_cpu_tensors_only_under_an_explicit_triton():
+    """TRITON_INTERPRET=1 is a testing tool: `auto` never picks it for CPU tensors (it would run every op
+    interpreted), `triton` does."""
+    cpu = torch.zeros(2)
+    for backend, runs in (("auto", False), ("native", False), ("triton", os.environ.get("TRITON_INTERPRET") == "1")):
+        with ops.use_backend(backend):
+            assert ops.triton_can_run(cpu) is runs, backend
+
+
+def test_use_backend_gives_the_previous_backend_back_on_exit_and_on_error():
+    assert ops._backend.get() == "auto"
+    with ops.use_backend("native"):
+        with ops.use_backend("triton"):
+            assert ops._backend.get() == "triton"
+        assert ops._backend.get() == "native"
+    with pytest.raises(RuntimeError), ops.use_backend("triton"):
+        raise RuntimeError("a failing forward")
+    assert ops._backend.get() == "auto"
+    with pytest.raises(ConfigError, match="runtime.backend='cuda': allowed: auto, triton, native"), \
+            ops.use_backend("cuda"):
+        pass
