@@ -166,7 +166,8 @@ def test_a_missing_shard_is_refused_only_when_the_head_reads_from_it(tmp_path, c
     with pytest.raises(WeightsError) as e:
         mtpfactory.build_head(cfg, tmp_path)
     assert (e.value.field, e.value.value) == ("mtp.fc.weight", "model-00002-of-00002.safetensors")
-    assert "download model-00002-of-00002.safetensors" in str(e.value)
+    assert "lives in model-00002-of-00002.safetensors, which model.safetensors.index.json names but" in str(e.value)
+    assert "Fix: download model-00002-of-00002.safetensors" in str(e.value)
 
 
 def test_a_stale_index_names_the_tensor_and_its_shard(tmp_path):
@@ -218,6 +219,7 @@ def test_the_lm_head_shares_the_callers_tensor_unless_the_vocab_is_cut(vocab):
 @pytest.mark.parametrize("config, field", [
     ({"rope_theta": 1e7, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25, "norm_topk_prob": True}, None),
     ({"rope_theta": 1e6}, "rope_theta"),
+    ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
     ({"norm_topk_prob": False}, "norm_topk_prob"),
     ({"text_config": {"rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.5}}}, "partial_rotary_factor"),
     ({"num_experts_per_tok": 10}, "num_experts_per_tok"),
