@@ -82,6 +82,18 @@ def test_unknown_head_without_a_close_name_lists_the_heads():
     refused(UnknownNameError, lambda: mtpfactory.compose("+head=xyzzy"), "head='xyzzy'", "bf16_moe", "dense")
 
 
+def test_no_head_chosen_is_refused_listing_the_heads():
+    cfg = mtpfactory.compose(*CPU)
+    for call in (mtpfactory.build_head, mtpfactory.kv_reserve_bytes):
+        refused(ConfigError, lambda: call(cfg), "head=None: no head chosen; heads: bf16_moe, dense",
+                "compose with +head=NAME")
+
+
+def test_a_long_value_is_cut_in_the_message():
+    err = ConfigError("weights.path", "x" * 500, "not a directory", "pass the directory")
+    assert str(err) == f"weights.path='{'x' * 76}...: not a directory. Fix: pass the directory" and err.value == "x" * 500
+
+
 @pytest.mark.parametrize("field, bad, good", [
     ("head.ffn", "swiglo", "swiglu"),
     ("head.attention", "gated_gq", "gated_gqa"),
@@ -421,14 +433,16 @@ def test_weights_without_mtp_tensors_say_the_export_dropped_them():
 
 
 @pytest.mark.parametrize("prefix", ["model.mtp.", "model.language_model.mtp."])
-def test_mtp_layer_under_another_prefix_loads_the_same(prefix):
+def test_mtp_layer_under_another_prefix_loads_the_same(prefix, caplog):
     cfg = mtpfactory.compose("+head=dense", *CPU)
     w = dense_weights()
     moved = {(prefix + n[4:] if n.startswith("mtp.") else n): t for n, t in w.items()}
     tokens, hidden = rows(3)
-    a, b = (mtpfactory.build_head(cfg, x).step(torch.arange(3), tokens, hidden, torch.zeros(3, dtype=torch.long))[0]
-            for x in (w, moved))
+    with caplog.at_level("WARNING"):
+        a, b = (mtpfactory.build_head(cfg, x).step(torch.arange(3), tokens, hidden,
+                                                   torch.zeros(3, dtype=torch.long))[0] for x in (w, moved))
     assert torch.equal(a, b)
+    assert not [r for r in caplog.records if "never read" in r.message]  # read under their own spelling
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32])
