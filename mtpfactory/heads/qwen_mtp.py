@@ -199,7 +199,8 @@ def _check_ffn_component(cfg: DictConfig, form: str) -> None:
     """A built-in FFN component of the other form (head.ffn=moe on the dense head) would read model fields and
     weights the head does not have: refused naming head.ffn. A component of the user's own is trusted."""
     builtin = {build_swiglu: ("dense", "swiglu", "dense"), build_moe: ("moe", "moe", "bf16_moe")}
-    its = builtin.get(registry.get("ffn", cfg.head.ffn))
+    chosen = registry.get("ffn", cfg.head.ffn)   # by definition, not identity: a reloaded module's is the same
+    its = next((v for fn, v in builtin.items() if registry.same_definition(fn, chosen)), None)
     if its is not None and its[0] != form:
         ours = next(v for v in builtin.values() if v[0] == form)
         raise ConfigError("head.ffn", cfg.head.ffn, f"builds a {its[0]} FFN; head {cfg.head.name} has a {form} "
