@@ -47,13 +47,14 @@ def dequantized_weights(head, quantized):
     return w
 
 
-def run(head, rows=20, seed=0):
-    """Prefill one sequence of `rows` rows, then step it twice; returns the logits of both steps."""
+def run(head, rows=20, seed=0, hidden_out=False):
+    """Prefill one sequence of `rows` rows, then step it twice; returns the logits of both steps (with
+    `hidden_out`, the chained hiddens the steps return instead)."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, head.vocab_size, (rows + 2,), generator=g)
     hidden = torch.randn(rows + 2, head.hidden_size, generator=g).to(head.dtype)
     head.prefill(0, tokens[:rows], hidden[:rows], torch.arange(rows))
-    out = [head.step(torch.tensor([0]), tokens[r:r + 1], hidden[r:r + 1], torch.tensor([r]))[0]
+    out = [head.step(torch.tensor([0]), tokens[r:r + 1], hidden[r:r + 1], torch.tensor([r]))[int(hidden_out)]
            for r in (rows, rows + 1)]
     return torch.cat(out).float()
 
@@ -86,6 +87,83 @@ def test_quantized_head_equals_unquantized_head_on_its_dequantized_weights(case,
     # float32: the same math on the same numbers up to summation order (measured ~1e-6); bf16: the
     # quantized path keeps fp32 accumulators where the unquantized one rounds to bf16 (measured ~5e-3).
     assert rel(run(q), run(u)) < tol
+
+
+@pytest.mark.parametrize("case", list(QUANTIZED))
+def test_quantized_head_chains_the_hidden_after_the_final_norm(case):
+    """The hidden a step returns (fed back by `propose`) is the final norm's output, whichever format the LM head
+    has: an NVFP4 LM head takes the norm with it in one op (`rms_norm_linear_nvfp4`), and must hand back that
+    op's normed x, not its input. Equal to the unquantized head's on the dequantized weights."""
+    head, overrides = QUANTIZED[case]
+    q = build(head, *overrides, "runtime.dtype=float32")
+    u = build(head, "runtime.dtype=float32", weights=dequantized_weights(head, q))
+    assert rel(run(q, hidden_out=True), run(u, hidden_out=True)) < 1e-4
+
+
+def test_nvfp4_experts_keep_the_gate_and_up_global_scales_apart():
+    """Gate and up rows are quantized as separate tensors, each with its own fp32 global scale (ModelOpt's
+    layout): experts whose up rows are 64 times their gate rows come back, and run, within NVFP4's error. With
+    the two globals swapped, up would come back 64 times too small (the synthetic presets' gate and up share one
+    scale, so the other tests cannot tell)."""
+    w = dict(synthetic("bf16_moe"))
+    experts = "mtp.layers.0.mlp.experts."
+    for name in [n for n in w if n.startswith(experts) and n.endswith("up_proj.weight")]:
+        w[name] = w[name] * 64  # a power of two: exact in bf16
+    q = build("bf16_moe", "levers.experts_nvfp4=true", "runtime.dtype=float32", weights=w)
+    gu, dn = q.ffn.experts.dequantize()
+    e = gu.shape[0]
+    want_gu = torch.stack([torch.cat([w[f"{experts}{i}.gate_proj.weight"], w[f"{experts}{i}.up_proj.weight"]])
+                           for i in range(e)]).float()
+    inter = gu.shape[1] // 2
+    assert rel(gu[:, :inter], want_gu[:, :inter]) < 0.15 and rel(gu[:, inter:], want_gu[:, inter:]) < 0.15
+    u = build("bf16_moe", "runtime.dtype=float32", weights=w)
+    assert rel(run(q), run(u)) < 0.35
+
+
+def test_kv_exact_attends_over_exactly_its_dequantized_cache(monkeypatch):
+    """With levers.kv_exact the FP8 cache means codes times an fp32 scale per token and KV head, K's for K and
+    V's for V: a step attends over exactly those values. An fp32-KV head holding them, dequantized, in the same
+    blocks (its own write skipped) gives the same logits. (Against the unquantized KV, the synthetic weights'
+    K and V scales are too alike for a tolerance to tell one scale from the other.)"""
+    fp8 = build("dense", "runtime.dtype=float32", "kv=fp8", "levers.kv_exact=true")
+    ref = build("dense", "runtime.dtype=float32", "kv=fp32")
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, fp8.vocab_size, (21,), generator=g)
+    hidden = torch.randn(21, fp8.hidden_size, generator=g)
+    for h in (fp8, ref):
+        h.prefill(0, tokens[:20], hidden[:20], torch.arange(20))
+    row = (torch.tensor([0]), tokens[20:], hidden[20:], torch.tensor([20]))
+    want = fp8.step(*row)  # writes row 20, then attends over rows 0..20
+    c = fp8.cache
+    ref.cache.k.copy_(c.k.float() * c.k_scale[..., None])
+    ref.cache.v.copy_(c.v.float() * c.v_scale[..., None])
+    monkeypatch.setattr(ref.attention, "write_kv", lambda *a: None)
+    got = ref.step(*row)
+    assert ref.cache.seqs[0].blocks == c.seqs[0].blocks
+    assert rel(got[0], want[0]) < 1e-5 and rel(got[1], want[1]) < 1e-5
+
+
+# The build line (DESIGN 7) of a few heads, every field computed here: fc [H, 2H] and Q [2 * heads * head_dim, H]
+# at H 64, 4 heads of 16; the pool 2 seqs x (256 // 16 + 1) blocks; LM head MB of its stored bytes, scales
+# included, over the draft vocab: NVFP4 512 x 64 / 2 + 512 x 64 / 16 + 4 = 18436 B, FP8 512 x 64 + 4 x 512 = 34816 B,
+# bf16 512 x 64 x 2 = 65536 B, NVFP4 at 100 rows 3604 B.
+BUILD_LINES = {
+    ("dense", "quant=nvfp4"): "MTP head dense: quant=nvfp4 (weight-only NVFP4: q, o, dense FFN), fc=[64,128], "
+    "attn Q=[128,64], ffn=swiglu, 0 experts, vocab=512/512 (LM head nvfp4 0.018 MB), kv=bfloat16, pool=34 blocks",
+    ("dense", "quant=fp8", "runtime.dtype=float32"): "MTP head dense: quant=fp8, fc=[64,128], attn Q=[128,64], "
+    "ffn=swiglu, 0 experts, vocab=512/512 (LM head fp8 0.033 MB), kv=float32, pool=34 blocks",
+    ("bf16_moe", "levers.experts_nvfp4=true", "kv=fp8", "levers.kv_exact=true"): "MTP head bf16_moe: quant=bf16, "
+    "experts nvfp4, fc=[64,128], attn Q=[128,64], ffn=moe, 8 experts, vocab=512/512 (LM head unq 0.062 MB), "
+    "kv=float8_e4m3fn per-token scales, pool=34 blocks",
+    ("bf16_moe", "quant.lm_head=nvfp4", "levers.mtp_vocab_size=100"): "MTP head bf16_moe: quant=bf16, "
+    "fc=[64,128], attn Q=[128,64], ffn=moe, 8 experts, vocab=100/512 (LM head nvfp4 0.003 MB), kv=bfloat16, "
+    "pool=34 blocks",
+}
+
+
+@pytest.mark.parametrize("overrides", list(BUILD_LINES), ids=[" ".join(o) for o in BUILD_LINES])
+def test_build_line_says_what_was_built(overrides):
+    assert build(*overrides).summary() == BUILD_LINES[overrides]
 
 
 @pytest.mark.parametrize("case", ["dense_fp8", "dense_nvfp4", "moe_experts_nvfp4"])
@@ -252,18 +330,23 @@ def head_hidden(head):
     return mtpfactory.compose(f"+head={head}").model.hidden_size
 
 
+@pytest.mark.parametrize("quant", [("quant=fp8", "quant.lm_head=bf16"), ("quant=nvfp4",)], ids=["fp8", "nvfp4"])
 @pytest.mark.parametrize("split", [True, False])
-def test_gemv_split_work_reaches_every_projection(monkeypatch, split):
+def test_gemv_split_work_reaches_every_projection(monkeypatch, split, quant):
     """The lever picks the GEMV kernels' split-K variant (tests/kernels/test_linear*.py show both give the
-    same results; the tiny shapes here are too small for the planner to split, so this checks the wiring)."""
+    same results; the tiny shapes here are too small for the planner to split, so this checks the wiring),
+    the NVFP4 LM head's fused norm + GEMV included."""
     import mtpfactory.kernels as K
 
-    seen = []
-    for op in ("linear", "linear_fp8"):
+    seen = {}
+    for op in ("linear", "linear_fp8", "linear_nvfp4", "rms_norm_linear_nvfp4"):
         real = getattr(K, op)
-        monkeypatch.setattr(K, op, lambda *a, _real=real, **kw: seen.append(kw["split_work"]) or _real(*a, **kw))
-    run(build("dense", "quant=fp8", "quant.lm_head=bf16", f"levers.gemv_split_work={split}"), rows=2)
-    assert len(seen) > 10 and set(seen) == {split}
+        monkeypatch.setattr(K, op, lambda *a, _real=real, _op=op, **kw: seen.setdefault(_op, []).append(
+            kw["split_work"]) or _real(*a, **kw))
+    run(build("dense", *quant, f"levers.gemv_split_work={split}"), rows=2)
+    ops = {"quant=fp8": {"linear", "linear_fp8"}, "quant=nvfp4": {"linear", "linear_nvfp4", "rms_norm_linear_nvfp4"}}
+    assert set(seen) == ops[quant[0]] and sum(map(len, seen.values())) > 10
+    assert {s for calls in seen.values() for s in calls} == {split}
 
 
 def test_expert_quantization_reports_progress(monkeypatch, caplog):
