@@ -212,6 +212,9 @@ def test_a_call_whose_forward_fails_changes_nothing(drafter_prefill, monkeypatch
             lambda: head.propose(torch.tensor([1]), r[0][:1], r[1][:1], torch.tensor([18]), 4), "ffn", 2),
         "prefill rewriting": (lambda: prefill(head, 1, r, start=8), "write", 1),
         "prefill of a new sequence": (lambda: prefill(head, 3, r, start=40), "write", 1),
+        # two new sequences take a block each: both blocks go back, in the order they left
+        "step of two new sequences": (
+            lambda: head.step(torch.tensor([3, 4]), r[0][:2], r[1][:2], torch.tensor([0, 50])), "ffn", 1),
     }
     for name, (call, part, n) in calls.items():
         with monkeypatch.context() as m:
@@ -413,6 +416,19 @@ def test_propose_writes_k_rows_then_truncate_to_accepted_end(head, ref):
     with pytest.raises(mtpfactory.InputError, match="no holes"):
         step(head, 1, nxt, 24)
     assert_rel_close(step(head, 1, nxt, 22), step(ref, 1, nxt, 22))
+
+
+def test_propose_may_draft_up_to_the_last_position(head):
+    """Positions lie below runtime.max_seq_len: a chain ending at max_seq_len - 1 fits, one row more is refused."""
+    last = head.max_seq_len - 1
+    t, h = rows(1, 1)
+    step(head, 1, (t, h), last - 3)  # a cold sequence near the end
+    snap = snapshot(head)
+    with pytest.raises(mtpfactory.InputError, match="^k=4"):
+        head.propose(torch.tensor([1]), t, h, torch.tensor([last - 2]), 4)
+    assert_unchanged(head, snap)
+    drafts = head.propose(torch.tensor([1]), t, h, torch.tensor([last - 2]), 3)
+    assert drafts.shape == (1, 3) and state(head, 1)[:2] == (last - 3, last + 1)
 
 
 def test_batched_propose(head):
