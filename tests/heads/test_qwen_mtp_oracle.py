@@ -276,3 +276,29 @@ def test_model_variants_match_oracle(variant, override):
     print(f"\n[oracle fp32] {variant}/{override}: logits rel err {el:.2e}, hidden_out rel err {eh:.2e}")
     assert el < F32_TOL, f"logits rel err {el:.3e}"
     assert eh < F32_TOL, f"hidden_out rel err {eh:.3e}"
+
+
+# --- 6: tied embeddings: the draft LM head is the embedding, whatever else the checkpoint carries -----------
+@pytest.mark.parametrize("case", ["lm_head_too", "cut_vocab"])
+def test_tied_head_drafts_from_the_embedding(case):
+    """With model.tie_word_embeddings the LM head is the embedding even where the checkpoint also carries an
+    lm_head.weight (a warning names it), and a draft vocab cut by levers.mtp_vocab_size cuts the LM head only:
+    every token still embeds from the full table. Logits are the oracle's (over the first 100 ids when cut)."""
+    extra = ("levers.mtp_vocab_size=100",) if case == "cut_vocab" else ()
+    cfg = compose("dense", "float32", "model.tie_word_embeddings=true", *extra)
+    weights = to_f32(checkpoint(cfg, False))
+    given = dict(weights)
+    if case == "lm_head_too":
+        given["lm_head.weight"] = torch.randn(cfg.model.vocab_size, cfg.model.hidden_size,
+                                              generator=torch.Generator().manual_seed(SEED + 2))
+    head = mtpfactory.build_head(cfg, given)
+    oracle = Oracle(cfg.model, weights)
+    v = head.lm_head.draft_vocab
+    assert v == (100 if case == "cut_vocab" else cfg.model.vocab_size)
+    (tok, hid), n = sequences(cfg.model, extra_rows=1)[7], LENGTHS[7]
+    if case == "cut_vocab":
+        assert int(tok[: n + 1].max()) >= v  # some rows embed ids past the draft vocab
+    head.prefill(7, tok[:n], hid[:n], torch.arange(n))
+    logits, hidden_out = head.step(torch.tensor([7]), tok[n:n + 1], hid[n:n + 1], torch.tensor([n]))
+    ref_logits, ref_out = oracle(tok[: n + 1], hid[: n + 1])
+    assert rel_err(logits[0], ref_logits[-1, :v]) < F32_TOL and rel_err(hidden_out[0], ref_out[-1]) < F32_TOL
