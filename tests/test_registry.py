@@ -62,10 +62,15 @@ def test_a_taken_name_is_refused_unless_override():
 
 
 def test_reimporting_a_module_that_registers_does_not_break():
+    importlib.import_module("mtpfactory.heads.qwen_mtp")   # the heads import the built-ins before the reload
     mod = importlib.import_module("mtpfactory.components.ffn")
     importlib.reload(mod)
     registry.register("ffn", "swiglu", mod.build_swiglu)  # same qualified name as the built-in: allowed
     importlib.reload(importlib.import_module("mtpfactory.kernels.rms_norm"))
+    # the heads still tell the reloaded built-ins by what they are (it ran on to a TypeError, comparing identities)
+    cfg = mtpfactory.compose("+head=dense", "runtime.device=cpu", "head.ffn=moe")
+    with pytest.raises(ConfigError, match="^head.ffn='moe': builds a moe FFN; head dense has a dense FFN"):
+        mtpfactory.build_head(cfg)
 
 
 def test_user_ffn_chosen_from_python_and_config_changes_the_head():
