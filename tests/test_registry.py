@@ -1,6 +1,7 @@
 """The component registry: lazy built-ins, did-you-mean, taken names, re-import, a user's own FFN chosen
 from Python, from the config and from the CLI (through an entry point)."""
 
+import contextlib
 import importlib
 import importlib.metadata
 import os
@@ -61,16 +62,29 @@ def test_a_taken_name_is_refused_unless_override():
     registry.register("ffn", "test_half_swiglu", build_half_swiglu, override=True)
 
 
-def test_reimporting_a_module_that_registers_does_not_break():
+@contextlib.contextmanager
+def reloaded(name: str):
+    """Module `name` reloaded, then its namespace put back as it was: the functions and classes a reload makes
+    would stay in the module, and later tests' isinstance checks against the classes they imported would fail."""
+    mod = importlib.import_module(name)
+    saved = dict(mod.__dict__)
+    try:
+        yield importlib.reload(mod)
+    finally:
+        mod.__dict__.clear()
+        mod.__dict__.update(saved)
+
+
+def test_reimporting_a_module_that_registers_does_not_break(empty_registry, monkeypatch):
+    monkeypatch.setattr(ops, "_OPS", dict(ops._OPS))        # the reloaded ops register again: into a copy
     importlib.import_module("mtpfactory.heads.qwen_mtp")   # the heads import the built-ins before the reload
-    mod = importlib.import_module("mtpfactory.components.ffn")
-    importlib.reload(mod)
-    registry.register("ffn", "swiglu", mod.build_swiglu)  # same qualified name as the built-in: allowed
-    importlib.reload(importlib.import_module("mtpfactory.kernels.rms_norm"))
-    # the heads still tell the reloaded built-ins by what they are (it ran on to a TypeError, comparing identities)
-    cfg = mtpfactory.compose("+head=dense", "runtime.device=cpu", "head.ffn=moe")
-    with pytest.raises(ConfigError, match="^head.ffn='moe': builds a moe FFN; head dense has a dense FFN"):
-        mtpfactory.build_head(cfg)
+    with reloaded("mtpfactory.components.ffn") as mod:
+        registry.register("ffn", "swiglu", mod.build_swiglu)  # same qualified name as the built-in: allowed
+        with reloaded("mtpfactory.kernels.rms_norm"):
+            # the heads tell the reloaded built-ins by what they are (it ran on to a TypeError, comparing identities)
+            cfg = mtpfactory.compose("+head=dense", "runtime.device=cpu", "head.ffn=moe")
+            with pytest.raises(ConfigError, match="^head.ffn='moe': builds a moe FFN; head dense has a dense FFN"):
+                mtpfactory.build_head(cfg)
 
 
 def test_user_ffn_chosen_from_python_and_config_changes_the_head():
