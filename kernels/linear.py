@@ -38,14 +38,22 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SM_COUNT_H200 = 132
 
 
+def activation_refusal(x: torch.Tensor) -> InputError | None:
+    """Why x cannot be a linear's activations, or None: a bf16, fp16 or fp32 [..., K] tensor (the first rule of
+    every linear's contract, `linear_contract` and `nvfp4_contract`)."""
+    if x.dim() == 0 or x.dtype not in _FLOAT_DTYPES:
+        return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a bf16, fp16 or fp32 [..., K] tensor",
+                          "pass the activations in the run's dtype, K last")
+    return None
+
+
 def linear_contract(x: torch.Tensor, weight: torch.Tensor,
                     weight_scale: torch.Tensor | None = None) -> InputError | WeightsError | None:
     """Why the reference cannot multiply these, or None (every provider refuses the same calls): x a
     bf16, fp16 or fp32 [..., K]; weight [N, K] of x's dtype, or with `weight_scale` (`linear_fp8`)
     float8_e4m3fn beside a float32 [N] scale."""
-    if x.dim() == 0 or x.dtype not in _FLOAT_DTYPES:
-        return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a bf16, fp16 or fp32 [..., K] tensor",
-                          "pass the activations in the run's dtype, K last")
+    if err := activation_refusal(x):
+        return err
     k = x.shape[-1]
     want = x.dtype if weight_scale is None else torch.float8_e4m3fn
     if weight.dim() != 2 or weight.dtype != want or weight.shape[1] != k:

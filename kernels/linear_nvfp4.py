@@ -65,6 +65,7 @@ from mtpfactory.kernels.linear import (
     GemvPlan,
     Tile,
     TileTable,
+    activation_refusal,
     amax_exponent,
     dot_acc,
     dot_result,
@@ -93,9 +94,8 @@ def nvfp4_contract(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     """Why the reference cannot multiply these, or None (every provider refuses the same calls): x a bf16, fp16
     or fp32 [..., K]; weight uint8 [N, K/2], K a multiple of 16; weight_scale float8_e4m3fn [N, K/16];
     weight_scale_2 one fp32 number (the ModelOpt layout, DESIGN 3)."""
-    if x.dim() == 0 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a bf16, fp16 or fp32 [..., K] tensor",
-                          "pass the activations in the run's dtype, K last")
+    if err := activation_refusal(x):
+        return err
     k = x.shape[-1]
     if weight.dtype != torch.uint8 or weight.dim() != 2:
         return WeightsError("weight", f"{weight.dtype} {tuple(weight.shape)}", "a 2-D uint8 [N, K/2] tensor",
