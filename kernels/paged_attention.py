@@ -278,13 +278,18 @@ def _paged_decode_reduce_kernel(
                s_ob, s_oh, s_od, s_gb, s_gh, s_gd, HAS_GATE)
 
 
-def _default_splits(q: torch.Tensor, programs: int, max_tokens: int, block_n: int) -> int:
-    """Enough splits to give every SM about two programs, each split at least 128 tokens long (one sequence of
-    4096 tokens on an H100: 32 splits 19.5 us, 16 splits of 256 tokens 25.4; 2026-12-05, BENCHMARKS.md)."""
-    if not q.is_cuda:
+def _default_splits(sms: int, programs: int, max_tokens: int, block_n: int, fp8: bool) -> int:
+    """Context splits where the caller left num_splits None, for a grid of `programs` (sequences x KV heads) a
+    split on `sms` SMs (0, the CPU: 1 split): about two programs an SM, each split at least 128 tokens long, at
+    most 64 (one sequence of 4096 tokens on an H100: 32 splits 19.5 us, 16 splits of 256 tokens 25.4). Rounded
+    up for a 16-bit or fp32 cache; rounded down for an FP8 one, so that its grid stays within one wave of two
+    programs an SM, which its 3 stages (`_tuning_defaults`) need: 6-30% faster than one stage with the splits
+    rounded up at 1 to 32 sequences of 4096 and 16384 tokens and at 128 of 4096, 3-5% slower at 48 and 64 with
+    unit scales. A BF16 cache rounded down was 2-10% slower from 24 sequences (H100 sweeps, 2026-12-05,
+    BENCHMARKS.md's twenty-third run)."""
+    if not sms:
         return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    want = -(-2 * sms // programs)
+    want = 2 * sms // programs if fp8 else -(-2 * sms // programs)
     return max(1, min(want, max_tokens // max(128, block_n), 64))
 
 
@@ -296,13 +301,12 @@ def _default_block_n(k_cache: torch.Tensor, d_pad: int) -> int:
 
 
 def _tuning_defaults(k_cache: torch.Tensor, fast_dot: bool | None, num_stages: int | None) -> tuple[bool, int]:
-    """fast_dot and num_stages where the caller left them None. An FP8 cache: fp16 dots (tf32's numerics, see
-    `_dot_dtype`) and one stage (its tiles converted as they come; a ring of 3 held fewer programs an SM: at 32
-    sequences 89.8 against 117.1 us); a 16-bit or fp32 cache: fp32 dots, Triton's 3 stages (H100 sweep,
-    2026-12-05, BENCHMARKS.md)."""
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    return (fp8 if fast_dot is None else fast_dot,
-            (1 if fp8 else _TRITON_STAGES) if num_stages is None else num_stages)
+    """fast_dot and num_stages where the caller left them None: fp16 dots for an FP8 cache (tf32's numerics, see
+    `_dot_dtype`), fp32 dots otherwise; Triton's 3 stages for every cache. An FP8 cache's 3 stages need its
+    splits rounded down (`_default_splits`): with them rounded up, one stage was the faster (at 32 sequences
+    89.8 against 117.1 us; H100 sweeps, 2026-12-05, BENCHMARKS.md)."""
+    return (k_cache.dtype == torch.float8_e4m3fn if fast_dot is None else fast_dot,
+            _TRITON_STAGES if num_stages is None else num_stages)
 
 
 def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, fast_dot: bool) -> tl.dtype:
@@ -452,7 +456,7 @@ def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | Non
     if fast_dot is not None and not isinstance(fast_dot, bool):
         return InputError("fast_dot", fast_dot, "None (on for an FP8 cache), True or False", "leave fast_dot=None")
     if num_stages is not None and not (_whole(num_stages) and 1 <= num_stages <= _MAX_STAGES):
-        return InputError("num_stages", num_stages, f"None (1 for an FP8 cache, {_TRITON_STAGES} otherwise) or 1 to "
+        return InputError("num_stages", num_stages, f"None ({_TRITON_STAGES}) or 1 to "
                           f"{_MAX_STAGES} (tiles in flight a loop: 1 loads each tile when its turn comes)",
                           "leave num_stages=None")
     return None
@@ -469,7 +473,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     strides), plus `num_splits` (context splits per sequence; None picks from the GPU's size, 1 on the CPU),
     `block_n` (tokens per tile, a power of two >= 16; None: `_default_block_n`, 32 but where the tile passes
     32 KiB), `num_warps` and `num_stages` (the software pipeline's depth over the context loop; None:
-    `_tuning_defaults`, 1 for an FP8 cache). Never synchronizes with the host, so it cannot refuse what the
+    `_tuning_defaults`, Triton's 3). Never synchronizes with the host, so it cannot refuse what the
     reference refuses: a context length past the block table is clamped to it, and a block id out of range
     drops its tokens (nothing is read out of bounds).
 
@@ -506,7 +510,9 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     fast_dot, num_stages = _tuning_defaults(k_cache, fast_dot, num_stages)
     block_n = _default_block_n(k_cache, d_pad) if block_n is None else block_n
     max_tokens = max(1, block_tables.shape[1] * bs)
-    splits = num_splits or _default_splits(q, b * hkv, max_tokens, block_n)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    splits = num_splits or _default_splits(sms, b * hkv, max_tokens, block_n, fp8)
     split_len = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
     splits = triton.cdiv(max_tokens, split_len)  # no split left empty for every row
     exact = torch.float32 in (q.dtype, k_cache.dtype)

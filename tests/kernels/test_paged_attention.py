@@ -25,9 +25,9 @@ import triton.language as tl
 
 from mtpfactory import ops
 from mtpfactory.errors import InputError, MtpfError
-from mtpfactory.kernels.paged_attention import (_REDUCE_BLOCK_D, _REDUCE_TILE, _default_block_n, _dot_dtype,
-                                               _tuning_defaults, paged_decode_attention, paged_decode_attention_triton,
-                                               tuning_refusal)
+from mtpfactory.kernels.paged_attention import (_REDUCE_BLOCK_D, _REDUCE_TILE, _default_block_n, _default_splits,
+                                               _dot_dtype, _tuning_defaults, paged_decode_attention,
+                                               paged_decode_attention_triton, tuning_refusal)
 from backend_refusal import assert_backend_refuses
 
 # The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
@@ -617,13 +617,36 @@ def test_gpu_fp32_matches_reference():
 
 
 def test_default_tuning_follows_the_cache():
-    """The defaults the H100 sweep chose (BENCHMARKS.md, 2026-12-05): tiles of 32 tokens but where a [32, D] tile
+    """The defaults the H100 sweeps chose (BENCHMARKS.md, 2026-12-05): tiles of 32 tokens but where a [32, D] tile
     passes 32 KiB (fp32 at D 512, whose ring the GPU cannot hold: the tile of 16 that ran there); an FP8 cache
-    on fp16 dots (tf32's numerics) and one stage, others on fp32 dots and Triton's 3; given values are kept."""
+    on fp16 dots (tf32's numerics), others on fp32 dots; Triton's 3 stages for all; given values are kept."""
     cache = lambda dtype: torch.zeros(1, 16, 1, 8, dtype=dtype)  # noqa: E731
     assert [_default_block_n(cache(dt), d) for dt, d in ((torch.float32, 512), (torch.float32, 256),
                                                          (torch.bfloat16, 512), (torch.float8_e4m3fn, 512))] == [
         16, 32, 32, 32]
-    assert _tuning_defaults(cache(torch.float8_e4m3fn), None, None) == (True, 1)
+    assert _tuning_defaults(cache(torch.float8_e4m3fn), None, None) == (True, 3)
     assert _tuning_defaults(cache(torch.bfloat16), None, None) == (False, 3)
     assert _tuning_defaults(cache(torch.float8_e4m3fn), False, 2) == (False, 2)
+
+
+@pytest.mark.parametrize("fp8, sequences, want", [
+    (True, 1, 32), (False, 1, 32),      # 132 SMs want 132 splits: 4096 tokens hold 32 of 128
+    (True, 8, 16), (False, 8, 17),      # 264 / 16 programs = 16.5
+    (True, 16, 8), (False, 16, 9),      # 264 / 32 = 8.25
+    (True, 32, 4), (False, 32, 5),      # 264 / 64 = 4.1
+    (True, 64, 2), (False, 64, 3),
+    (True, 132, 1), (False, 132, 1),    # one program an SM a split
+    (True, 200, 1), (False, 200, 1),    # past two programs an SM: never 0
+])
+def test_default_splits_fill_two_programs_an_sm(fp8, sequences, want):
+    """About two programs an SM (an H100's 132, 2 KV heads a sequence, 4096 tokens, tiles of 32): rounded down
+    for an FP8 cache (its grid within one wave, for its 3 stages), up for the others."""
+    assert _default_splits(132, 2 * sequences, 4096, 32, fp8) == want
+
+
+def test_default_splits_keep_128_tokens_a_split_and_at_most_64():
+    assert _default_splits(132, 2, 16384, 32, True) == 64        # 128 splits of 128 tokens, capped at 64
+    assert _default_splits(132, 2, 1000, 32, False) == 7         # 1000 // 128
+    assert _default_splits(132, 2, 100, 32, True) == 1           # shorter than one split of 128
+    assert _default_splits(132, 2, 4096, 256, False) == 16       # tiles of 256: splits of at least one tile
+    assert _default_splits(0, 2, 4096, 32, True) == 1            # the CPU: one split
