@@ -282,15 +282,31 @@ def _default_splits(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
     """Context splits where the caller left num_splits None, for a grid of `programs` (sequences x KV heads) a
     split on `sms` SMs (0, the CPU: 1 split): about two programs an SM, each split at least 128 tokens long, at
     most 64 (one sequence of 4096 tokens on an H100: 32 splits 19.5 us, 16 splits of 256 tokens 25.4). Rounded
-    up for a 16-bit or fp32 cache; rounded down for an FP8 one, so that its grid stays within one wave of two
-    programs an SM, which its 3 stages (`_tuning_defaults`) need: 6-30% faster than one stage with the splits
-    rounded up at 1 to 32 sequences of 4096 and 16384 tokens and at 128 of 4096, 3-5% slower at 48 and 64 with
-    unit scales. A BF16 cache rounded down was 2-10% slower from 24 sequences (H100 sweeps, 2026-12-05,
-    BENCHMARKS.md's twenty-third run)."""
+    up for a 16-bit or fp32 cache; rounded down for an FP8 one, so that its grid stays within the one wave its 3
+    stages hold (`_default_stages`): 6-30% faster than one stage with the splits rounded up at 1 to 32 sequences
+    of 4096 and 16384 tokens and at 128 of 4096, 3-5% slower at 48 and 64 with unit scales. A BF16 cache rounded
+    down was 2-10% slower from 24 sequences (H100 sweeps, 2026-12-05, BENCHMARKS.md's twenty-third run)."""
     if not sms:
         return 1
     want = 2 * sms // programs if fp8 else -(-2 * sms // programs)
     return max(1, min(want, max_tokens // max(128, block_n), 64))
+
+
+def _default_stages(sms: int, programs: int, fp8: bool) -> int:
+    """The context loop's pipeline depth where the caller left num_stages None, for a grid of `programs`
+    (splits included) on `sms` SMs: Triton's 3, but 1 for an FP8 cache whose grid takes fewer waves at one
+    stage, whose SMs hold 3 programs each where 3 stages hold 2 (Qwen3-Next's 16 / 2 heads x 256, tiles of
+    32). H100 sweeps, 2026-12-05 (BENCHMARKS.md's twenty-third run), 2048 tokens: 384 programs (192
+    sequences) 204 us at one stage against 286 at 3; 512 programs 375 against 293."""
+    if fp8 and sms and -(-programs // (3 * sms)) < -(-programs // (2 * sms)):
+        return 1
+    return _TRITON_STAGES
+
+
+def _default_fast_dot(k_cache: torch.Tensor) -> bool:
+    """fast_dot where the caller left it None: on for an FP8 cache, whose fp16 dots keep tf32's numerics
+    (`_dot_dtype`), off otherwise (fp32 dots)."""
+    return k_cache.dtype == torch.float8_e4m3fn
 
 
 def _default_block_n(k_cache: torch.Tensor, d_pad: int) -> int:
@@ -298,15 +314,6 @@ def _default_block_n(k_cache: torch.Tensor, d_pad: int) -> int:
     long), or 16 where a [32, D] tile of the cache passes 32 KiB: fp32 at D 512, whose ring of K and V tiles then
     passes the 227 KB of shared memory a block (the GPU cannot load the kernel; at 16 it runs)."""
     return 32 if 32 * d_pad * k_cache.element_size() <= _TILE_BYTES else 16
-
-
-def _tuning_defaults(k_cache: torch.Tensor, fast_dot: bool | None, num_stages: int | None) -> tuple[bool, int]:
-    """fast_dot and num_stages where the caller left them None: fp16 dots for an FP8 cache (tf32's numerics, see
-    `_dot_dtype`), fp32 dots otherwise; Triton's 3 stages for every cache. An FP8 cache's 3 stages need its
-    splits rounded down (`_default_splits`): with them rounded up, one stage was the faster (at 32 sequences
-    89.8 against 117.1 us; H100 sweeps, 2026-12-05, BENCHMARKS.md)."""
-    return (k_cache.dtype == torch.float8_e4m3fn if fast_dot is None else fast_dot,
-            _TRITON_STAGES if num_stages is None else num_stages)
 
 
 def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, fast_dot: bool) -> tl.dtype:
@@ -456,8 +463,9 @@ def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | Non
     if fast_dot is not None and not isinstance(fast_dot, bool):
         return InputError("fast_dot", fast_dot, "None (on for an FP8 cache), True or False", "leave fast_dot=None")
     if num_stages is not None and not (_whole(num_stages) and 1 <= num_stages <= _MAX_STAGES):
-        return InputError("num_stages", num_stages, f"None ({_TRITON_STAGES}) or 1 to "
-                          f"{_MAX_STAGES} (tiles in flight a loop: 1 loads each tile when its turn comes)",
+        return InputError("num_stages", num_stages, f"None (picked from the grid: {_TRITON_STAGES}, or 1 for an FP8 "
+                          f"cache's large grids) or 1 to {_MAX_STAGES} (tiles in flight a loop: 1 loads each tile "
+                          "when its turn comes)",
                           "leave num_stages=None")
     return None
 
@@ -473,9 +481,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     strides), plus `num_splits` (context splits per sequence; None picks from the GPU's size, 1 on the CPU),
     `block_n` (tokens per tile, a power of two >= 16; None: `_default_block_n`, 32 but where the tile passes
     32 KiB), `num_warps` and `num_stages` (the software pipeline's depth over the context loop; None:
-    `_tuning_defaults`, Triton's 3). Never synchronizes with the host, so it cannot refuse what the
-    reference refuses: a context length past the block table is clamped to it, and a block id out of range
-    drops its tokens (nothing is read out of bounds).
+    `_default_stages`, Triton's 3 or 1 for an FP8 cache's large grids). Never synchronizes with the host, so it
+    cannot refuse what the reference refuses: a context length past the block table is clamped to it, and a
+    block id out of range drops its tokens (nothing is read out of bounds).
 
     The dots' dtype is `_dot_dtype`'s: fp32 without `fast_dot`; with it fp16 for an FP8 cache (tf32's
     numerics, without converting each value on to fp32) and q's dtype for a 16-bit cache of it, the
@@ -507,14 +515,15 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     out = out_or_empty(out, q.shape, q.dtype, q.device)
     if b == 0:
         return out
-    fast_dot, num_stages = _tuning_defaults(k_cache, fast_dot, num_stages)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    fast_dot = _default_fast_dot(k_cache) if fast_dot is None else fast_dot
     block_n = _default_block_n(k_cache, d_pad) if block_n is None else block_n
     max_tokens = max(1, block_tables.shape[1] * bs)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     splits = num_splits or _default_splits(sms, b * hkv, max_tokens, block_n, fp8)
     split_len = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
     splits = triton.cdiv(max_tokens, split_len)  # no split left empty for every row
+    num_stages = num_stages or _default_stages(sms, b * hkv * splits, fp8)
     exact = torch.float32 in (q.dtype, k_cache.dtype)
     dot_dtype = _dot_dtype(q, k_cache, fast_dot)
     if splits > 1:

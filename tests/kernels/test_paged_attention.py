@@ -25,8 +25,8 @@ import triton.language as tl
 
 from mtpfactory import ops
 from mtpfactory.errors import InputError, MtpfError
-from mtpfactory.kernels.paged_attention import (_REDUCE_BLOCK_D, _REDUCE_TILE, _default_block_n, _default_splits,
-                                               _dot_dtype, _tuning_defaults, paged_decode_attention,
+from mtpfactory.kernels.paged_attention import (_REDUCE_BLOCK_D, _REDUCE_TILE, _default_block_n, _default_fast_dot,
+                                               _default_splits, _default_stages, _dot_dtype, paged_decode_attention,
                                                paged_decode_attention_triton, tuning_refusal)
 from backend_refusal import assert_backend_refuses
 
@@ -616,17 +616,27 @@ def test_gpu_fp32_matches_reference():
     torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[torch.float32])
 
 
-def test_default_tuning_follows_the_cache():
-    """The defaults the H100 sweeps chose (BENCHMARKS.md, 2026-12-05): tiles of 32 tokens but where a [32, D] tile
-    passes 32 KiB (fp32 at D 512, whose ring the GPU cannot hold: the tile of 16 that ran there); an FP8 cache
-    on fp16 dots (tf32's numerics), others on fp32 dots; Triton's 3 stages for all; given values are kept."""
+def test_default_tiles_and_dots_follow_the_cache():
+    """The defaults the H100 sweep chose (BENCHMARKS.md, 2026-12-05): tiles of 32 tokens but where a [32, D] tile
+    passes 32 KiB (fp32 at D 512, whose ring the GPU cannot hold: the tile of 16 that ran there); an FP8 cache on
+    fp16 dots (tf32's numerics), others on fp32 dots."""
     cache = lambda dtype: torch.zeros(1, 16, 1, 8, dtype=dtype)  # noqa: E731
     assert [_default_block_n(cache(dt), d) for dt, d in ((torch.float32, 512), (torch.float32, 256),
                                                          (torch.bfloat16, 512), (torch.float8_e4m3fn, 512))] == [
         16, 32, 32, 32]
-    assert _tuning_defaults(cache(torch.float8_e4m3fn), None, None) == (True, 3)
-    assert _tuning_defaults(cache(torch.bfloat16), None, None) == (False, 3)
-    assert _tuning_defaults(cache(torch.float8_e4m3fn), False, 2) == (False, 2)
+    assert [_default_fast_dot(cache(dt)) for dt in (torch.float8_e4m3fn, torch.bfloat16, torch.float16,
+                                                    torch.float32)] == [True, False, False, False]
+
+
+@pytest.mark.parametrize("fp8, programs, want", [
+    (True, 264, 3), (True, 265, 1), (True, 396, 1),    # one wave at 1 stage (3 an SM), two at 3 (2 an SM)
+    (True, 397, 3), (True, 528, 3),                    # two waves either way: 3 stages
+    (True, 800, 1),                                    # 3 waves against 4
+    (False, 265, 3), (False, 800, 3),                  # 16-bit caches: always Triton's 3
+])
+def test_default_stages_pick_the_fewer_waves(fp8, programs, want):
+    assert _default_stages(132, programs, fp8) == want
+    assert _default_stages(0, programs, fp8) == 3            # the CPU (the interpreter ignores stages)
 
 
 @pytest.mark.parametrize("fp8, sequences, want", [
