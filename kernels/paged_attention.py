@@ -283,9 +283,10 @@ def _default_splits(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
     split on `sms` SMs (0, the CPU: 1 split): about two programs an SM, each split at least 128 tokens long, at
     most 64 (one sequence of 4096 tokens on an H100: 32 splits 19.5 us, 16 splits of 256 tokens 25.4). Rounded
     up for a 16-bit or fp32 cache; rounded down for an FP8 one, so that its grid stays within the one wave its 3
-    stages hold (`_default_stages`): 6-30% faster than one stage with the splits rounded up at 1 to 32 sequences
-    of 4096 and 16384 tokens and at 128 of 4096, 3-5% slower at 48 and 64 with unit scales. A BF16 cache rounded
-    down was 2-10% slower from 24 sequences (H100 sweeps, 2026-12-05, BENCHMARKS.md's twenty-third run)."""
+    stages hold (`_default_stages`): against one stage with the splits rounded up, 1.06-1.31x as fast at 1 to 32
+    sequences of 4096 and 16384 tokens and 1.28-1.43x at 128 of 4096, 0.95-0.97x at 48 and 64 with unit scales.
+    A BF16 cache rounded down was 2-10% slower from 24 sequences (H100 sweeps, 2026-12-05, BENCHMARKS.md's
+    twenty-third run)."""
     if not sms:
         return 1
     want = 2 * sms // programs if fp8 else -(-2 * sms // programs)
