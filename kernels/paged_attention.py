@@ -278,30 +278,53 @@ def _paged_decode_reduce_kernel(
                s_ob, s_oh, s_od, s_gb, s_gh, s_gd, HAS_GATE)
 
 
-def _default_splits(sms: int, programs: int, max_tokens: int, block_n: int, fp8: bool) -> int:
-    """Context splits where the caller left num_splits None, for a grid of `programs` (sequences x KV heads) a
-    split on `sms` SMs (0, the CPU: 1 split): about two programs an SM, each split at least 128 tokens long, at
-    most 64 (one sequence of 4096 tokens on an H100: 32 splits 19.5 us, 16 splits of 256 tokens 25.4). Rounded
-    up for a 16-bit or fp32 cache; rounded down for an FP8 one, so that its grid stays within the one wave its 3
-    stages hold (`_default_stages`): against one stage with the splits rounded up, 1.06-1.31x as fast at 1 to 32
-    sequences of 4096 and 16384 tokens and 1.28-1.43x at 128 of 4096, 0.95-0.97x at 48 and 64 with unit scales.
-    A BF16 cache rounded down was 2-10% slower from 24 sequences (H100 sweeps, 2026-12-05, BENCHMARKS.md's
+def _split_len(max_tokens: int, splits: int, block_n: int) -> int:
+    """Tokens a split: `splits` asked for, rounded up to whole tiles (so the count run, `cdiv(max_tokens,
+    split_len)`, may be fewer: no split left empty for every row)."""
+    return triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
+
+
+def _fp8_held(stages: int) -> int:
+    """Programs an SM holds of the FP8 kernel at a pipeline depth: 3 at one stage, 2 at more. Read off the H100
+    sweeps' waves (BENCHMARKS.md's twenty-third run: Qwen3-Next's 16 / 2 heads x 256, tiles of 32), not
+    measured occupancy; other head sizes may hold other counts."""
+    return 3 if stages == 1 else 2
+
+
+def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8: bool, num_splits: int | None,
+                    num_stages: int | None) -> tuple[int, int]:
+    """(splits asked for, stages) where the caller left num_splits or num_stages None, for `programs` (sequences
+    x KV heads) a split on `sms` SMs (0, the CPU: 1 split, 3 stages, which the interpreter ignores). A split is
+    at least 128 tokens long, and there are at most 64 (one sequence of 4096 tokens on an H100: 32 splits 19.5
+    us, 16 splits of 256 tokens 25.4).
+
+    A 16-bit or fp32 cache: Triton's 3 stages, the splits rounded up to two programs an SM (rounded down was 2-10%
+    slower from 24 sequences). An FP8 cache, whose SMs hold 3 programs at one stage and 2 at three (`_fp8_held`):
+    at each depth, the splits rounded down to what its SMs hold; of the two, the grid that fills its last wave
+    best, then the one of fewer waves, then 3 stages. On the H100 sweeps (1 to 320 sequences of 2048, 4096 and
+    16384 tokens; 44 cases whose pick was timed) its picks were within 5% of the fastest tuning timed in each
+    (geometric mean 1.005x); the old rule (one stage, rounded up) 1.14x, up to 1.43x (BENCHMARKS.md's
     twenty-third run)."""
     if not sms:
-        return 1
-    want = 2 * sms // programs if fp8 else -(-2 * sms // programs)
-    return max(1, min(want, max_tokens // max(128, block_n), 64))
+        return num_splits or 1, num_stages or _TRITON_STAGES
 
+    def splits_at(held: int) -> int:
+        if num_splits:
+            return num_splits
+        want = held // programs if fp8 else -(-held // programs)
+        return max(1, min(want, max_tokens // max(128, block_n), 64))
 
-def _default_stages(sms: int, programs: int, fp8: bool) -> int:
-    """The context loop's pipeline depth where the caller left num_stages None, for a grid of `programs`
-    (splits included) on `sms` SMs: Triton's 3, but 1 for an FP8 cache whose grid takes fewer waves at one
-    stage, whose SMs hold 3 programs each where 3 stages hold 2 (Qwen3-Next's 16 / 2 heads x 256, tiles of
-    32). H100 sweeps, 2026-12-05 (BENCHMARKS.md's twenty-third run), 2048 tokens: 384 programs (192
-    sequences) 204 us at one stage against 286 at 3; 512 programs 375 against 293."""
-    if fp8 and sms and -(-programs // (3 * sms)) < -(-programs // (2 * sms)):
-        return 1
-    return _TRITON_STAGES
+    if not fp8:
+        return splits_at(2 * sms), num_stages or _TRITON_STAGES
+
+    def fill(stages: int) -> tuple[float, int]:
+        held = _fp8_held(stages) * sms
+        grid = programs * triton.cdiv(max_tokens, _split_len(max_tokens, splits_at(held), block_n))
+        waves = triton.cdiv(grid, held)
+        return grid / (waves * held), -waves  # equal fractions divide to equal floats (IEEE rounding)
+
+    stages = max((num_stages,) if num_stages else (_TRITON_STAGES, 1), key=fill)  # a tie keeps the first
+    return splits_at(_fp8_held(stages) * sms), stages
 
 
 def _default_fast_dot(k_cache: torch.Tensor) -> bool:
@@ -464,8 +487,8 @@ def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | Non
     if fast_dot is not None and not isinstance(fast_dot, bool):
         return InputError("fast_dot", fast_dot, "None (on for an FP8 cache), True or False", "leave fast_dot=None")
     if num_stages is not None and not (_whole(num_stages) and 1 <= num_stages <= _MAX_STAGES):
-        return InputError("num_stages", num_stages, f"None (picked from the grid: {_TRITON_STAGES}, or 1 for an FP8 "
-                          f"cache's large grids) or 1 to {_MAX_STAGES} (tiles in flight a loop: 1 loads each tile "
+        return InputError("num_stages", num_stages, f"None (picked from the grid: {_TRITON_STAGES}, or 1 for some FP8 "
+                          f"grids) or 1 to {_MAX_STAGES} (tiles in flight a loop: 1 loads each tile "
                           "when its turn comes)",
                           "leave num_stages=None")
     return None
@@ -482,9 +505,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     strides), plus `num_splits` (context splits per sequence; None picks from the GPU's size, 1 on the CPU),
     `block_n` (tokens per tile, a power of two >= 16; None: `_default_block_n`, 32 but where the tile passes
     32 KiB), `num_warps` and `num_stages` (the software pipeline's depth over the context loop; None:
-    `_default_stages`, Triton's 3 or 1 for an FP8 cache's large grids). Never synchronizes with the host, so it
-    cannot refuse what the reference refuses: a context length past the block table is clamped to it, and a
-    block id out of range drops its tokens (nothing is read out of bounds).
+    `_default_tuning`: Triton's 3, or 1 where an FP8 cache's grid fills its waves better there). Never
+    synchronizes with the host, so it cannot refuse what the reference refuses: a context length past the block
+    table is clamped to it, and a block id out of range drops its tokens (nothing is read out of bounds).
 
     The dots' dtype is `_dot_dtype`'s: fp32 without `fast_dot`; with it fp16 for an FP8 cache (tf32's
     numerics, without converting each value on to fp32) and q's dtype for a 16-bit cache of it, the
@@ -521,10 +544,9 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_n = _default_block_n(k_cache, d_pad) if block_n is None else block_n
     max_tokens = max(1, block_tables.shape[1] * bs)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
-    splits = num_splits or _default_splits(sms, b * hkv, max_tokens, block_n, fp8)
-    split_len = triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
+    splits, num_stages = _default_tuning(sms, b * hkv, max_tokens, block_n, fp8, num_splits, num_stages)
+    split_len = _split_len(max_tokens, splits, block_n)
     splits = triton.cdiv(max_tokens, split_len)  # no split left empty for every row
-    num_stages = num_stages or _default_stages(sms, b * hkv * splits, fp8)
     exact = torch.float32 in (q.dtype, k_cache.dtype)
     dot_dtype = _dot_dtype(q, k_cache, fast_dot)
     if splits > 1:

@@ -6,7 +6,7 @@ copy bandwidth), the default tuning's (the op's) in the same rounds, and its err
 
     python3 scripts/sweep_attention.py [--batches 1,8,32] [--splits 0,16,32,64,128] [--block-n 16,64]
         [--warps 4] [--fast-dot 0] [--stages 0] [--kv bf16,fp8,fp8_scaled] [--context 4096] [--rounds 3]
-        (splits 0: the default, `_default_splits`; stages 0: the default, Triton's 3 (`_tuning_defaults`);
+        (splits 0 and stages 0: the defaults, `_default_tuning`: Triton's 3 stages, or 1 for some FP8 grids;
         fast_dot's default is 1 for an FP8 cache, 0 otherwise; every combination is timed)
 """
 
@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--block-n", default="16,64")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--fast-dot", default="0", help="0, 1 or 0,1: the dots in fp32 (tf32), or fast (_dot_dtype)")
-    ap.add_argument("--stages", default="0", help="software pipeline depths; 0: the default (3)")
+    ap.add_argument("--stages", default="0", help="software pipeline depths; 0: the default (_default_tuning)")
     ap.add_argument("--kv", default=",".join(KV_FORMATS), help=f"KV formats, of {', '.join(KV_FORMATS)}")
     ap.add_argument("--context", type=int, default=None,
                     help="tokens a sequence, a multiple of 16 (default: bench_ops.py's 4096); 16 calls of B sequences "

@@ -26,7 +26,7 @@ import triton.language as tl
 from mtpfactory import ops
 from mtpfactory.errors import InputError, MtpfError
 from mtpfactory.kernels.paged_attention import (_REDUCE_BLOCK_D, _REDUCE_TILE, _default_block_n, _default_fast_dot,
-                                               _default_splits, _default_stages, _dot_dtype, paged_decode_attention,
+                                               _default_tuning, _dot_dtype, paged_decode_attention,
                                                paged_decode_attention_triton, tuning_refusal)
 from backend_refusal import assert_backend_refuses
 
@@ -628,35 +628,48 @@ def test_default_tiles_and_dots_follow_the_cache():
                                                     torch.float32)] == [True, False, False, False]
 
 
-@pytest.mark.parametrize("fp8, programs, want", [
-    (True, 264, 3), (True, 265, 1), (True, 396, 1),    # one wave at 1 stage (3 an SM), two at 3 (2 an SM)
-    (True, 397, 3), (True, 528, 3),                    # two waves either way: 3 stages
-    (True, 800, 1),                                    # 3 waves against 4
-    (False, 265, 3), (False, 800, 3),                  # 16-bit caches: always Triton's 3
-])
-def test_default_stages_pick_the_fewer_waves(fp8, programs, want):
-    assert _default_stages(132, programs, fp8) == want
-    assert _default_stages(0, programs, fp8) == 3            # the CPU (the interpreter ignores stages)
+# (sequences, FP8's pick, BF16's pick) on an H100's 132 SMs, 2 KV heads a sequence, 4096 tokens, tiles of 32:
+# (splits asked for, stages). FP8's picks were the fastest tunings the H100 sweeps timed, but at 32 sequences
+# (0.2% off), and 56, 64 and 128 with unit scales (4-5%) (BENCHMARKS.md, twenty-third run)
+TUNINGS = [
+    (1, (32, 3), (32, 3)),      # 132 SMs would take 132 splits: 4096 tokens hold 32 of 128
+    (8, (16, 3), (17, 3)),      # 3 stages: 264 places / 16 programs = 16 splits; 1 stage's 24 run as 22, 352 of 396
+    (16, (8, 3), (9, 3)),       # 256 of 264 and 384 of 396: a tie keeps 3 stages
+    (24, (8, 1), (6, 3)),       # 240 of 264 against 384 of 396
+    (32, (4, 3), (5, 3)),
+    (40, (3, 3), (4, 3)),       # 240 of 264 against 320 of 396
+    (48, (4, 1), (3, 3)),       # 192 of 264 against 384 of 396
+    (64, (2, 3), (3, 3)),       # a tie
+    (96, (2, 1), (2, 3)),       # 192 of 264 against 384 of 396
+    (128, (1, 3), (2, 3)),      # 256 of 264 against 256 of 396
+    (192, (1, 1), (1, 3)),      # 384 programs: two waves at 3 stages, one at 1
+    (256, (1, 3), (1, 3)),      # 512: two waves either way, 512 of 528 against 512 of 792
+    (320, (1, 1), (1, 3)),      # 640: 640 of 792 either way, in 3 waves against 2
+]
 
 
-@pytest.mark.parametrize("fp8, sequences, want", [
-    (True, 1, 32), (False, 1, 32),      # 132 SMs want 132 splits: 4096 tokens hold 32 of 128
-    (True, 8, 16), (False, 8, 17),      # 264 / 16 programs = 16.5
-    (True, 16, 8), (False, 16, 9),      # 264 / 32 = 8.25
-    (True, 32, 4), (False, 32, 5),      # 264 / 64 = 4.1
-    (True, 64, 2), (False, 64, 3),
-    (True, 132, 1), (False, 132, 1),    # one program an SM a split
-    (True, 200, 1), (False, 200, 1),    # past two programs an SM: never 0
-])
-def test_default_splits_fill_two_programs_an_sm(fp8, sequences, want):
-    """About two programs an SM (an H100's 132, 2 KV heads a sequence, 4096 tokens, tiles of 32): rounded down
-    for an FP8 cache (its grid within one wave, for its 3 stages), up for the others."""
-    assert _default_splits(132, 2 * sequences, 4096, 32, fp8) == want
+@pytest.mark.parametrize("sequences, fp8_pick, bf16_pick", TUNINGS)
+def test_default_tuning_fills_the_waves(sequences, fp8_pick, bf16_pick):
+    """An FP8 cache: of one stage (3 programs an SM) and three (2), with the splits rounded down to each, the grid
+    that fills its last wave best, then fewer waves, then 3 stages; a 16-bit cache: 3 stages, the splits rounded
+    up to two programs an SM."""
+    assert _default_tuning(132, 2 * sequences, 4096, 32, True, None, None) == fp8_pick
+    assert _default_tuning(132, 2 * sequences, 4096, 32, False, None, None) == bf16_pick
 
 
-def test_default_splits_keep_128_tokens_a_split_and_at_most_64():
-    assert _default_splits(132, 2, 16384, 32, True) == 64        # 128 splits of 128 tokens, capped at 64
-    assert _default_splits(132, 2, 1000, 32, False) == 7         # 1000 // 128
-    assert _default_splits(132, 2, 100, 32, True) == 1           # shorter than one split of 128
-    assert _default_splits(132, 2, 4096, 256, False) == 16       # tiles of 256: splits of at least one tile
-    assert _default_splits(0, 2, 4096, 32, True) == 1            # the CPU: one split
+def test_default_tuning_keeps_what_the_caller_gave():
+    assert _default_tuning(132, 2 * 192, 4096, 32, True, 1, None) == (1, 1)   # splits given: stages by the waves
+    assert _default_tuning(132, 2 * 256, 4096, 32, True, 1, None) == (1, 3)
+    assert _default_tuning(132, 2 * 32, 4096, 32, True, None, 1) == (6, 1)    # one stage: rounded down to 396
+    assert _default_tuning(132, 2 * 24, 4096, 32, True, None, 3) == (5, 3)    # three: to 264
+    assert _default_tuning(132, 2 * 24, 4096, 32, True, 7, 2) == (7, 2)
+    assert _default_tuning(132, 2 * 24, 4096, 32, False, 7, 1) == (7, 1)
+
+
+def test_default_tuning_keeps_128_tokens_a_split_and_at_most_64():
+    assert _default_tuning(132, 2, 16384, 32, True, None, None) == (64, 3)    # 128 splits of 128 tokens
+    assert _default_tuning(132, 2, 1000, 32, False, None, None) == (7, 3)     # 1000 // 128
+    assert _default_tuning(132, 2, 100, 32, True, None, None) == (1, 3)       # shorter than a split of 128
+    assert _default_tuning(132, 2, 4096, 256, False, None, None) == (16, 3)   # tiles of 256: a split a tile at least
+    assert _default_tuning(0, 2, 4096, 32, True, None, None) == (1, 3)        # the CPU: one split
+    assert _default_tuning(0, 2, 4096, 32, True, 5, 1) == (5, 1)
