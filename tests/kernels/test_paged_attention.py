@@ -634,7 +634,7 @@ def test_default_tiles_and_dots_follow_the_cache():
 TUNINGS = [
     (1, (32, 3), (32, 3)),      # 132 SMs would take 132 splits: 4096 tokens hold 32 of 128
     (8, (16, 3), (17, 3)),      # 3 stages: 264 places / 16 programs = 16 splits; 1 stage's 24 run as 22, 352 of 396
-    (14, (9, 3), (10, 3)),      # one stage's 14 splits run as 13 (whole tiles): 364 of 396 against 252 of 264
+    (14, (9, 3), (10, 3)),      # one stage's 14 splits run as 13 (whole tiles): 364 of 396, under 252 of 264
     (16, (8, 3), (9, 3)),       # 256 of 264 and 384 of 396: a tie keeps 3 stages
     (24, (8, 1), (6, 3)),       # 240 of 264 against 384 of 396
     (32, (4, 3), (5, 3)),
