@@ -152,8 +152,34 @@ def _values(arg: str) -> list[str]:
     return [o.get_value_element_as_str()]
 
 
+# Hydra's options that take the next word as their value (unless written --option=value); --info takes one of
+# _INFO_WORDS if one follows
+_VALUED = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir",
+           "--experimental-rerun"}
+_INFO_WORDS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def _options_first(args: list[str]) -> list[str]:
+    """Hydra's options (with their values) before the overrides, in their order. Hydra's parser takes the
+    overrides as one run of words, so `+head=dense -m quant=bf16,fp8` would end in "unrecognized arguments"."""
+    options, overrides = [], []
+    i = 0
+    while i < len(args):
+        word = args[i]
+        if not word.startswith("-"):
+            overrides.append(word)
+        else:
+            options.append(word)
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if nxt is not None and (word in _VALUED or word in ("-i", "--info") and nxt in _INFO_WORDS):
+                options.append(nxt)
+                i += 1
+        i += 1
+    return options + overrides
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else list(argv)
+    args = _options_first(sys.argv[1:] if argv is None else list(argv))
     asks_help = ({"-h", "--help", "--hydra-help", "-i", "-sc"} & set(args)
                  or any(a.startswith(("--info", "--shell-completion")) for a in args))
     if not asks_help:

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import mtpfactory
-from mtpfactory.cli import _check_args, _check_demo, _demo
+from mtpfactory.cli import _check_args, _check_demo, _demo, _options_first
 
 
 def cli(*args, cwd):
@@ -40,6 +40,27 @@ def test_multirun_ends_with_a_table_and_refused_rows_do_not_stop_it(tmp_path):
     assert sum("refused: model.num_experts" in row for row in table) == 2
     ok = [row for row in table if "+head=dense" in row]
     assert len(ok) == 2 and all("/" in row for row in ok)  # KV blocks in use / pool
+
+
+def test_a_sweep_flag_after_the_head_runs_the_sweep(tmp_path):
+    """`-m` where a user puts it, after the head (Hydra's parser alone takes overrides as one run of words)."""
+    run = cli("+head=dense", "-m", "quant=bf16,fp8", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    table = run.stdout[run.stdout.index("run "):].splitlines()
+    assert len(table) == 2 + 2 and "quant=bf16" in table[2] and "quant=fp8" in table[3]
+
+
+@pytest.mark.parametrize("args, hydra_gets", [
+    (["+head=dense", "-m", "quant=a,b"], ["-m", "+head=dense", "quant=a,b"]),
+    (["+head=dense", "quant=fp8", "--multirun"], ["--multirun", "+head=dense", "quant=fp8"]),
+    (["+head=dense", "--cfg", "job", "quant=fp8"], ["--cfg", "job", "+head=dense", "quant=fp8"]),
+    (["+head=dense", "-cn=x", "-p", "head", "kv=fp8"], ["-cn=x", "-p", "head", "+head=dense", "kv=fp8"]),
+    (["+head=dense", "--info", "defaults", "kv=fp8"], ["--info", "defaults", "+head=dense", "kv=fp8"]),
+    (["--info", "+head=dense"], ["--info", "+head=dense"]),         # --info's value is optional
+    (["+head=dense", "--cfg"], ["--cfg", "+head=dense"]),           # a missing value is left for Hydra to report
+])
+def test_hydras_options_go_before_the_overrides(args, hydra_gets):
+    assert _options_first(args) == hydra_gets
 
 
 def test_a_refusal_during_the_demo_is_a_row_and_the_sweep_goes_on(tmp_path):
