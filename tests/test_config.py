@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 import mtpfactory
 from mtpfactory.build import runtime_device
+from mtpfactory.config import PLANNED_HEADS
 from mtpfactory.errors import ConfigError, UnknownNameError
 from mtpfactory.weights.synthetic import qwen_mtp_weights
 
@@ -85,6 +86,19 @@ def test_an_unknown_group_option_is_refused_at_compose_with_the_options(override
     with pytest.raises(UnknownNameError) as e:
         mtpfactory.compose("+head=dense", override)
     assert (e.value.field, e.value.value) == (group, override.partition("=")[2]) and says in str(e.value)
+
+
+@pytest.mark.parametrize("head", PLANNED_HEADS)
+def test_a_planned_head_is_refused_as_not_built_yet(head):
+    """DESIGN's heads not built yet say so (not "unknown", not a "did you mean" to a built head's name)."""
+    with pytest.raises(ConfigError) as e:
+        mtpfactory.compose(f"+head={head}")
+    assert not isinstance(e.value, UnknownNameError) and (e.value.field, e.value.value) == ("head", head)
+    assert "not built yet" in str(e.value) and "choose one of bf16_moe, dense" in str(e.value)
+
+
+def test_no_built_head_is_listed_as_planned():
+    assert not set(PLANNED_HEADS) & set(mtpfactory.list_heads())
 
 
 def test_compose_inside_a_callers_hydra_app_composes_ours_and_gives_the_callers_back(tmp_path):

@@ -33,6 +33,9 @@ def list_heads() -> list[str]:
 
 
 BOOL_WORDS = ("1", "0", "true", "false", "yes", "no", "on", "off")
+# DESIGN 2.2's heads that are not built yet: `+head=` names them as such, not as unknown (a sweep copied from the
+# docs, `-m +head=bf16_moe,per_expert_moe,nvfp4_moe`, says what it lacks); a head leaves this list when it is built
+PLANNED_HEADS = ("nvfp4_moe", "native_fp8_moe", "per_expert_moe", "glm5next", "glm5", "deepseek_v3")
 SECTIONS = typing.get_type_hints(schema.Config)  # the config's sections: name -> schema dataclass
 SWITCHES = tuple(f for f in LEVERS if schema.LeversConfig.__dataclass_fields__[f].type in (bool, "bool"))
 
@@ -49,6 +52,9 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
         if eq and not o.startswith(("+", "~")) and (err := _plain_key_refusal(key, value)):
             raise err
         key = key.lstrip("+~")
+        if eq and key == "head" and value in PLANNED_HEADS and value not in options(key):
+            raise ConfigError(key, value, f"not built yet (DESIGN 2.2 plans it); built: {', '.join(options(key))}",
+                              f"choose one of {', '.join(options(key))}")
         if eq and key in GROUPS and value not in options(key):
             raise UnknownNameError(key, value, options(key))
         if eq and key.removeprefix("levers.") in SWITCHES and value.strip().lower() not in BOOL_WORDS:
