@@ -286,7 +286,7 @@ def _split_len(max_tokens: int, splits: int, block_n: int) -> int:
 
 def _fp8_held(stages: int) -> int:
     """Programs an SM holds of the FP8 kernel at a pipeline depth: 3 at one stage, 2 at more. Read off the H100
-    sweeps' waves (BENCHMARKS.md's twenty-third run: Qwen3-Next's 16 / 2 heads x 256, tiles of 32), not
+    sweeps' waves (BENCHMARKS.md's twenty-third run: Qwen3-Next's 16 / 2 heads x 256, tiles of 32, 4 warps), not
     measured occupancy. Every group of up to 16 q heads at D 256 compiles to the same tiles (`_pads`: G_PAD 16,
     D_PAD 256), Qwen3.5's 16 / 4 too; other head sizes may hold other counts."""
     return 3 if stages == 1 else 2
