@@ -176,22 +176,43 @@ def compile_one(spec: dict, stats: bool = False) -> tuple[str | None, float, str
                                   target=GPUTarget(*TARGET), options=spec["options"])
         if not compiled.asm.get("cubin"):
             return "no cubin came out", time.time() - start, ""
-        text = cubin_stats(compiled.asm["cubin"], compiled.metadata.shared) if stats else ""
+        text = (cubin_stats(compiled.asm["cubin"], compiled.metadata.shared, compiled.metadata.num_warps)
+                if stats else "")
     except Exception as e:  # noqa: BLE001 - every failure is a result to print
         return "\n".join(_error_lines(e)), time.time() - start, ""
     return None, time.time() - start, text
 
 
-def cubin_stats(cubin: bytes, shared: int) -> str:
+# An sm_90 SM (H100, H200): what its programs share (the CUDA occupancy calculator's figures for compute 9.0)
+SM90_REGISTERS = 65536          # 32-bit registers, allocated a warp at a time in units of 256
+SM90_SHARED = 233472            # bytes (228 KiB), of which each program holds 1 KiB more than it asks
+SM90_WARPS = 64
+SM90_PROGRAMS = 32
+
+
+def programs_an_sm(regs: int, shared: int, num_warps: int) -> tuple[int, str]:
+    """(programs an SM holds at once, what bounds it: registers, shared memory, warps or programs) for a kernel
+    of `regs` registers a thread, `shared` bytes and `num_warps` warps a program, on sm_90."""
+    warp_regs = -(-regs * 32 // 256) * 256
+    bounds = {"registers": SM90_REGISTERS // (warp_regs * num_warps) if regs else SM90_PROGRAMS,
+              "shared memory": SM90_SHARED // (-(-shared // 128) * 128 + 1024),
+              "warps": SM90_WARPS // num_warps, "programs": SM90_PROGRAMS}
+    bound = min(bounds, key=bounds.get)
+    return bounds[bound], bound
+
+
+def cubin_stats(cubin: bytes, shared: int, num_warps: int) -> str:
     """What a compiled kernel costs the SM, statically: shared memory, registers and local (spilled) bytes a
-    thread, and the instructions of its largest loop (a K or context loop: one iteration's, each thread's)."""
+    thread, the programs an SM holds at once (`programs_an_sm`), and the instructions of its largest loop (a
+    K or context loop: one iteration's, each thread's)."""
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:                        # once a compiling process, not once a kernel
         sys.path.insert(0, here)
     from sass_stats import disassemble, loop_body
     sass, regs, local = disassemble(cubin)
     loop = len(loop_body(sass))
-    return (f"smem {shared} B, {regs} regs, {local} B local, "
+    held, bound = programs_an_sm(regs, shared, num_warps)
+    return (f"smem {shared} B, {regs} regs, {local} B local, {held} programs an SM ({bound}), "
             + (f"loop {loop} instrs" if loop else "no loop (none, or unrolled)"))
 
 

@@ -15,6 +15,7 @@ import torch
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import bench_ops  # noqa: E402
+import compile_sm90  # noqa: E402
 import sweep_attention  # noqa: E402
 
 TOL = 2e-2   # bf16 outputs: max |provider - reference| over max |reference|
@@ -80,3 +81,15 @@ def test_sweep_attention_names_an_unknown_kv_format_and_the_known_ones(monkeypat
         sweep_attention.main()
     assert e.value.code == 2
     assert "--kv bf16,fp4: fp4 unknown; the formats are bf16, fp8, fp8_scaled" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("regs, shared, warps, want", [
+    (168, 16384, 4, (3, "registers")),       # paged attention, FP8, one stage: 168 x 32 = 5376 a warp, 21504 a program
+    (214, 25856, 4, (2, "registers")),       # three stages: 216 x 32 = 6912 a warp (regs a warp in units of 256)
+    (127, 34816, 4, (4, "registers")),       # BF16, one stage: 128 x 128 = 16384 a program
+    (32, 100000, 4, (2, "shared memory")),   # 2 x (100096 + 1024) of 233472 bytes
+    (16, 0, 4, (16, "warps")),               # 64 warps an SM
+    (16, 0, 1, (32, "programs")),            # 32 programs an SM at most
+])
+def test_programs_an_sm_follows_the_sm90_limits(regs, shared, warps, want):
+    assert compile_sm90.programs_an_sm(regs, shared, warps) == want
