@@ -284,48 +284,56 @@ def _split_len(max_tokens: int, splits: int, block_n: int) -> int:
     return triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
 
 
+# The tiles (G_PAD, D_PAD, block_n, num_warps) an FP8 cache's wave rule was timed and its `_fp8_held` counts read
+# at: Qwen3-Next's 16 / 2 heads x 256 and Qwen3.5's 16 / 4 compile to them at the defaults
+_WAVE_TILES = (16, 256, 32, 4)
+
+
 def _fp8_held(stages: int) -> int:
-    """Programs an SM holds of the FP8 kernel at a pipeline depth: 3 at one stage, 2 at more. Read off the H100
-    sweeps' waves (BENCHMARKS.md's twenty-third run: Qwen3-Next's 16 / 2 heads x 256, tiles of 32, 4 warps), not
-    measured occupancy. Every group of up to 16 q heads at D 256 compiles to the same tiles (`_pads`: G_PAD 16,
-    D_PAD 256), Qwen3.5's 16 / 4 too; other head sizes may hold other counts."""
+    """Programs an SM holds of the FP8 kernel at `_WAVE_TILES`, by pipeline depth: 3 at one stage, 2 at three.
+    Read off the H100 sweeps' waves (BENCHMARKS.md's twenty-third run) and what the sm_90 cubins allow
+    (`compile_sm90.py --stats`): 168 registers a thread at one stage, so 3 programs of 4 warps in an SM's 64K,
+    214 (216 with per-token scales) at three, so 2; shared memory (16-26 KB) binds neither."""
     return 3 if stages == 1 else 2
 
 
 def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8: bool, num_splits: int | None,
-                    num_stages: int | None) -> tuple[int, int]:
+                    num_stages: int | None, tiles: tuple[int, int, int, int] = _WAVE_TILES) -> tuple[int, int]:
     """(splits asked for, stages) where the caller left num_splits or num_stages None, for `programs` (sequences
-    x KV heads) a split on `sms` SMs (0, the CPU: 1 split, 3 stages, which the interpreter ignores). A split is
-    at least 128 tokens long, and there are at most 64 (one sequence of 4096 tokens on an H100: 32 splits 19.5
-    us, 16 splits of 256 tokens 25.4).
+    x KV heads) a split on `sms` SMs (0, the CPU: 1 split, 3 stages, which the interpreter ignores) and the
+    kernel's `tiles` (G_PAD, D_PAD, block_n, num_warps). A split is at least 128 tokens long, and there are at
+    most 64 (one sequence of 4096 tokens on an H100: 32 splits 19.5 us, 16 splits of 256 tokens 25.4).
 
     A 16-bit or fp32 cache: Triton's 3 stages, the splits rounded up to two programs an SM (rounded down was 2-10%
-    slower from 24 sequences). An FP8 cache, whose SMs hold 3 programs at one stage and 2 at three (`_fp8_held`):
-    at each depth, the splits rounded down to what its SMs hold; of the two, the grid that fills its last wave
-    best, then the one of fewer waves, then 3 stages. On the H100 sweeps (1 to 320 sequences of 2048, 4096 and
-    16384 tokens; 44 cases whose pick was timed) its picks were within 5% of the fastest tuning timed in each
-    (geometric mean 1.005x); the old rule (one stage, rounded up) 1.14x, up to 1.43x (BENCHMARKS.md's
-    twenty-third run)."""
+    slower from 24 sequences). An FP8 cache at `_WAVE_TILES`, whose SMs hold 3 programs at one stage and 2 at
+    three (`_fp8_held`): at each depth, the splits rounded down to what its SMs hold; of the two, the grid that
+    fills its last wave best, then the one of fewer waves, then 3 stages. On the H100 sweeps (1 to 320 sequences
+    of 2048, 4096 and 16384 tokens; 44 cases whose pick was timed) its picks were within 5% of the fastest tuning
+    timed in each (geometric mean 1.005x); the default before (one stage, rounded up) 1.14x, up to 1.43x
+    (BENCHMARKS.md's twenty-third run). An FP8 cache at other tiles keeps that default before: its SMs hold
+    other counts (sm_90 cubins: D 128 4 and 3, D 64 7 and 5, D 512 2 and 2), and no tuning was timed there."""
     if not sms:
         return num_splits or 1, num_stages or _TRITON_STAGES
 
-    def splits_at(held: int) -> int:
+    def splits_at(held: int, down: bool) -> int:
         if num_splits:
             return num_splits
-        want = held // programs if fp8 else -(-held // programs)
+        want = held // programs if down else -(-held // programs)
         return max(1, min(want, max_tokens // max(128, block_n), 64))
 
     if not fp8:
-        return splits_at(2 * sms), num_stages or _TRITON_STAGES
+        return splits_at(2 * sms, False), num_stages or _TRITON_STAGES
+    if tiles != _WAVE_TILES:
+        return splits_at(2 * sms, False), num_stages or 1
 
     def fill(stages: int) -> tuple[float, int]:
         held = _fp8_held(stages) * sms
-        grid = programs * triton.cdiv(max_tokens, _split_len(max_tokens, splits_at(held), block_n))
+        grid = programs * triton.cdiv(max_tokens, _split_len(max_tokens, splits_at(held, True), block_n))
         waves = triton.cdiv(grid, held)
         return grid / (waves * held), -waves  # equal fractions divide to equal floats (IEEE rounding)
 
     stages = max((num_stages,) if num_stages else (_TRITON_STAGES, 1), key=fill)  # a tie keeps the first
-    return splits_at(_fp8_held(stages) * sms), stages
+    return splits_at(_fp8_held(stages) * sms, True), stages
 
 
 def _default_fast_dot(k_cache: torch.Tensor) -> bool:
@@ -545,7 +553,8 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_n = _default_block_n(k_cache, d_pad) if block_n is None else block_n
     max_tokens = max(1, block_tables.shape[1] * bs)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
-    splits, num_stages = _default_tuning(sms, b * hkv, max_tokens, block_n, fp8, num_splits, num_stages)
+    splits, num_stages = _default_tuning(sms, b * hkv, max_tokens, block_n, fp8, num_splits, num_stages,
+                                         (g_pad, d_pad, block_n, num_warps))
     split_len = _split_len(max_tokens, splits, block_n)
     splits = triton.cdiv(max_tokens, split_len)  # no split left empty for every row
     exact = torch.float32 in (q.dtype, k_cache.dtype)

@@ -667,6 +667,25 @@ def test_default_tuning_keeps_what_the_caller_gave():
     assert _default_tuning(132, 2 * 24, 4096, 32, False, 7, 1) == (7, 1)
 
 
+@pytest.mark.parametrize("tiles", [(16, 128, 32, 4), (32, 256, 32, 4), (16, 256, 64, 4), (16, 256, 32, 8)])
+def test_default_tuning_of_fp8_at_other_tiles_is_the_one_before_the_sweeps(tiles):
+    """Tiles whose SMs hold other counts (and were not timed): one stage, the splits rounded up."""
+    assert _default_tuning(132, 2 * 24, 4096, tiles[2], True, None, None, tiles) == (6, 1)
+    assert _default_tuning(132, 2 * 24, 4096, tiles[2], True, None, 3, tiles) == (6, 3)
+    assert _default_tuning(132, 2 * 24, 4096, 32, True, None, None) == (8, 1)       # at _WAVE_TILES
+
+
+def test_the_launcher_passes_its_tiles_to_the_default_tuning(monkeypatch):
+    """The heads' shapes (16 q heads on 2 or 4 KV heads, D 256) at the default tile and warps are _WAVE_TILES."""
+    import mtpfactory.kernels.paged_attention as pa
+    seen = []
+    monkeypatch.setattr(pa, "_default_tuning", lambda *a: seen.append(a[-1]) or (1, 3))
+    for hkv, d, warps in ((2, 256, 4), (4, 256, 4), (2, 128, 4), (2, 256, 8)):
+        args = make_case(1, 16, hkv, d, 16, [40], "fp8", torch.bfloat16)
+        paged_decode_attention_triton(*args, num_warps=warps)
+    assert seen == [pa._WAVE_TILES, pa._WAVE_TILES, (16, 128, 32, 4), (16, 256, 32, 8)]
+
+
 def test_default_tuning_keeps_128_tokens_a_split_and_at_most_64():
     assert _default_tuning(132, 2, 16384, 32, True, None, None) == (64, 3)    # 128 splits of 128 tokens
     assert _default_tuning(132, 2, 1000, 32, False, None, None) == (7, 3)     # 1000 // 128
