@@ -5,8 +5,8 @@ error relative to the reference's largest output, or the compile error. Correctn
 
     python3 scripts/probe_attention_groups.py [--groups 32,64,128] [--dims 128,256,512] [--kv bf16,fp8]
         [--fast-dot 0,1] [--warps 4,8] [--block-n 16] [--stages 0] [--splits 1]
-        (stages 0: the default, `_default_tuning`'s: Triton's 3, or 1 where an FP8 cache's grid fills its last
-        wave better; splits 0: the default)
+        (stages 0: the default, `_default_tuning`'s: Triton's 3, but for an FP8 cache 1 at these groups' tiles
+        (not `_WAVE_TILES`); splits 0: the default)
 """
 
 from __future__ import annotations
