@@ -31,8 +31,8 @@ speed: those need the GPU tests (`pytest -m gpu`) and the benchmarks.
     TRITON_INTERPRET=1 python3 scripts/compile_sm90.py -- tests/kernels/test_rope.py -k strided
     python3 scripts/compile_sm90.py --jobs 4 --lines 20 -- ...    (TRITON_INTERPRET=1 is set if absent)
     python3 scripts/compile_sm90.py --stats -- tests/kernels/test_paged_attention.py -k split_context
-        (also each kernel's shared memory, registers and spilled bytes a thread, and the instructions of its
-        largest loop, from the cubin: `cubin_stats`)
+        (also each kernel's shared memory, registers and spilled bytes a thread, the programs an SM holds, and
+        the instructions of its largest loop, from the cubin: `cubin_stats`)
 
 Exit status 1 if any specialization fails to compile (or nothing was launched), else pytest's. On this
 project's 2-core machine the whole tests/kernels selection takes about 8 minutes: 4 for the tests, 4 for
