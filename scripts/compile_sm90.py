@@ -247,7 +247,8 @@ def main() -> int:
     ap.add_argument("--lines", type=int, default=12, help="lines of each error to print (default 12)")
     ap.add_argument("--no-gpu-path", action="store_true", help="skip the second compile with USE_ASM etc. True")
     ap.add_argument("--stats", action="store_true",
-                    help="print each compiled kernel's shared memory, registers, spills and largest loop's length")
+                    help="print each compiled kernel's shared memory, registers, spills, programs an SM and "
+                         "largest loop's length")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ["TRITON_INTERPRET"] != "1":
