@@ -321,10 +321,8 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
         want = held // programs if down else -(-held // programs)
         return max(1, min(want, max_tokens // max(128, block_n), 64))
 
-    if not fp8:
-        return splits_at(2 * sms, False), num_stages or _TRITON_STAGES
-    if tiles != _WAVE_TILES:
-        return splits_at(2 * sms, False), num_stages or 1
+    if not fp8 or tiles != _WAVE_TILES:
+        return splits_at(2 * sms, False), num_stages or (1 if fp8 else _TRITON_STAGES)
 
     def fill(stages: int) -> tuple[float, int]:
         held = _fp8_held(stages) * sms
@@ -332,14 +330,8 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
         waves = triton.cdiv(grid, held)
         return grid / (waves * held), -waves  # equal fractions divide to equal floats (IEEE rounding)
 
-    stages = max((num_stages,) if num_stages else (_TRITON_STAGES, 1), key=fill)  # a tie keeps the first
+    stages = num_stages or max((_TRITON_STAGES, 1), key=fill)  # a tie keeps the first
     return splits_at(_fp8_held(stages) * sms, True), stages
-
-
-def _default_fast_dot(k_cache: torch.Tensor) -> bool:
-    """fast_dot where the caller left it None: on for an FP8 cache, whose fp16 dots keep tf32's numerics
-    (`_dot_dtype`), off otherwise (fp32 dots)."""
-    return k_cache.dtype == torch.float8_e4m3fn
 
 
 def _default_block_n(k_cache: torch.Tensor, d_pad: int) -> int:
@@ -549,7 +541,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if b == 0:
         return out
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    fast_dot = _default_fast_dot(k_cache) if fast_dot is None else fast_dot
+    fast_dot = fp8 if fast_dot is None else fast_dot  # an FP8 cache's fp16 dots keep tf32's numerics (_dot_dtype)
     block_n = _default_block_n(k_cache, d_pad) if block_n is None else block_n
     max_tokens = max(1, block_tables.shape[1] * bs)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0

@@ -25,9 +25,9 @@ import triton.language as tl
 
 from mtpfactory import ops
 from mtpfactory.errors import InputError, MtpfError
-from mtpfactory.kernels.paged_attention import (_REDUCE_BLOCK_D, _REDUCE_TILE, _default_block_n, _default_fast_dot,
-                                               _default_tuning, _dot_dtype, paged_decode_attention,
-                                               paged_decode_attention_triton, tuning_refusal)
+from mtpfactory.kernels.paged_attention import (_REDUCE_BLOCK_D, _REDUCE_TILE, _default_block_n, _default_tuning,
+                                               _dot_dtype, paged_decode_attention, paged_decode_attention_triton,
+                                               tuning_refusal)
 from backend_refusal import assert_backend_refuses
 
 # The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
@@ -616,16 +616,23 @@ def test_gpu_fp32_matches_reference():
     torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[torch.float32])
 
 
-def test_default_tiles_and_dots_follow_the_cache():
-    """The defaults the H100 sweep chose (BENCHMARKS.md, 2026-12-05): tiles of 32 tokens but where a [32, D] tile
-    passes 32 KiB (fp32 at D 512, whose ring the GPU cannot hold: the tile of 16 that ran there); an FP8 cache on
-    fp16 dots (tf32's numerics), others on fp32 dots."""
+def test_default_tiles_follow_the_cache():
+    """The tiles the H100 sweep chose (BENCHMARKS.md, 2026-12-05): 32 tokens but where a [32, D] tile passes 32 KiB
+    (fp32 at D 512, whose ring the GPU cannot hold: the tile of 16 that ran there)."""
     cache = lambda dtype: torch.zeros(1, 16, 1, 8, dtype=dtype)  # noqa: E731
     assert [_default_block_n(cache(dt), d) for dt, d in ((torch.float32, 512), (torch.float32, 256),
                                                          (torch.bfloat16, 512), (torch.float8_e4m3fn, 512))] == [
         16, 32, 32, 32]
-    assert [_default_fast_dot(cache(dt)) for dt in (torch.float8_e4m3fn, torch.bfloat16, torch.float16,
-                                                    torch.float32)] == [True, False, False, False]
+
+
+def test_default_dots_follow_the_cache(monkeypatch):
+    """fast_dot None: on for an FP8 cache (fp16 dots, tf32's numerics), off for the others; a given value kept."""
+    import mtpfactory.kernels.paged_attention as pa
+    seen, dot_dtype = [], pa._dot_dtype
+    monkeypatch.setattr(pa, "_dot_dtype", lambda q, k, fast: seen.append(fast) or dot_dtype(q, k, fast))
+    for kv, fast in (("fp8", None), ("bf16", None), ("fp16", None), ("fp32", None), ("fp8", False), ("bf16", True)):
+        paged_decode_attention_triton(*make_case(1, 4, 2, 16, 16, [20], kv, torch.bfloat16), fast_dot=fast)
+    assert seen == [True, False, False, False, False, True]
 
 
 # (sequences, FP8's pick, BF16's pick) on an H100's 132 SMs, 2 KV heads a sequence, 4096 tokens, tiles of 32:
