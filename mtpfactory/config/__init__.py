@@ -52,11 +52,11 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
         if eq and not o.startswith(("+", "~")) and (err := _plain_key_refusal(key, value)):
             raise err
         key = key.lstrip("+~")
-        if eq and key == "head" and value in PLANNED_HEADS and value not in options(key):
-            raise ConfigError(key, value, f"not built yet (DESIGN 2.2 plans it); built: {', '.join(options(key))}",
-                              f"choose one of {', '.join(options(key))}")
-        if eq and key in GROUPS and value not in options(key):
-            raise UnknownNameError(key, value, options(key))
+        if eq and key in GROUPS and value not in (known := options(key)):
+            if key == "head" and value in PLANNED_HEADS:
+                raise ConfigError(key, value, f"not built yet (DESIGN 2.2 plans it); built: {', '.join(known)}",
+                                  f"choose one of {', '.join(known)}")
+            raise UnknownNameError(key, value, known)
         if eq and key.removeprefix("levers.") in SWITCHES and value.strip().lower() not in BOOL_WORDS:
             raise ConfigError(key, value, f"a switch: {', '.join(BOOL_WORDS)}", f"set {key}=true or {key}=false")
         if eq and (err := _type_refusal(key, value)):
