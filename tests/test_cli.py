@@ -113,6 +113,9 @@ def test_a_single_refused_run_says_why_and_exits_1(tmp_path):
     (["+head=dense", "quantt=fp8"], "quantt='fp8': not a config key; known here: head, model"),
     (["+head=dense", "model._target_=os.system"], "never by _target_"),
     (["+head=dense", "hydra.run.dir=/tmp/x", "hydra.job.chdir=false"], None),
+    # a value as the field will hold it, not as Hydra escapes it to write it back (`$\{runtime.max_seqs\}`)
+    (["+head=dense", "runtime.prefill_chunk=${runtime.max_seqs}", "runtime.max_seqs=${demo.k},8"], None),
+    (["+head=dense", "runtime.max_seqs='abc'"], "runtime.max_seqs='abc': not a value of the field's type, int"),
 ])
 def test_every_sweep_value_of_a_group_or_switch_is_checked_before_hydra_runs(args, bad, capsys):
     """A head, a group option, a switch's word or a value of the wrong type that no run could take refuses the
