@@ -50,6 +50,14 @@ def test_a_switch_lever_refuses_values_that_are_not_switch_words(monkeypatch, va
         mtpfactory.compose("+head=dense")
 
 
+@pytest.mark.parametrize("override", ["model.tie_word_embeddings=2", "model.norm_topk_prob=-1", "levers.kv_exact=2"])
+def test_every_bool_field_refuses_values_that_are_not_switch_words(override):
+    """OmegaConf reads any integer as a bool (2 -> true): a typo must not switch a model flag on, as for a lever."""
+    with pytest.raises(ConfigError, match=f"{override.partition('=')[0]}='.*': a switch: 1, 0, true"):
+        mtpfactory.compose("+head=bf16_moe", override)
+    assert mtpfactory.compose("+head=bf16_moe", "model.norm_topk_prob=null").model.norm_topk_prob is None
+
+
 def test_schema_types_are_checked_at_compose():
     with pytest.raises(Exception, match="max_seqs"):
         mtpfactory.compose("+head=dense", "runtime.max_seqs=many")

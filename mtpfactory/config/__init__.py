@@ -37,14 +37,17 @@ BOOL_WORDS = ("1", "0", "true", "false", "yes", "no", "on", "off")
 # docs, `-m +head=bf16_moe,per_expert_moe,nvfp4_moe`, says what it lacks); a head leaves this list when it is built
 PLANNED_HEADS = ("nvfp4_moe", "native_fp8_moe", "per_expert_moe", "glm5next", "glm5", "deepseek_v3")
 SECTIONS = typing.get_type_hints(schema.Config)  # the config's sections: name -> schema dataclass
-SWITCHES = tuple(f for f in LEVERS if schema.LeversConfig.__dataclass_fields__[f].type in (bool, "bool"))
+# every bool field, `section.field` -> whether it may be null (OmegaConf reads any integer as a bool: 2 -> true)
+SWITCHES = {f"{section}.{name}": t is not bool for section, kind in SECTIONS.items()
+            for name, t in typing.get_type_hints(kind).items() if t in (bool, typing.Optional[bool])}
 
 
 def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
     """Refuse, before Hydra composes: an unknown option of a group (`+head=NAME`, `kv=NAME`, ...), whose Hydra
-    message lists files and search paths, not the options and a "did you mean"; a switch lever set to a word
-    outside BOOL_WORDS, which OmegaConf would read as a bool (`levers.kv_exact=2` switches it on); a field
-    set to a value its type cannot hold (`runtime.max_seqs=abc`), which Hydra reports with a traceback; and a
+    message lists files and search paths, not the options and a "did you mean"; a switch (any bool field, a lever
+    or a model flag) set to a word outside BOOL_WORDS, which OmegaConf would read as a bool (`levers.kv_exact=2`,
+    `model.tie_word_embeddings=2` switch it on); a field set to a value its type cannot hold
+    (`runtime.max_seqs=abc`), which Hydra reports with a traceback; and a
     key the schema lacks set without `+` (`levers.kv_exct=true`, `model._target_=...`), which Hydra refuses
     with its own message and no "did you mean" (with `+` Hydra adds it, and `check_keys` refuses it)."""
     for o in overrides:
@@ -57,8 +60,9 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
                 raise ConfigError(key, value, f"not built yet (DESIGN 2.2 plans it); built: {', '.join(known)}",
                                   f"choose one of {', '.join(known)}")
             raise UnknownNameError(key, value, known)
-        if eq and key.removeprefix("levers.") in SWITCHES and value.strip().lower() not in BOOL_WORDS:
-            raise ConfigError(key, value, f"a switch: {', '.join(BOOL_WORDS)}", f"set {key}=true or {key}=false")
+        if eq and key in SWITCHES and value.strip().lower() not in BOOL_WORDS + ("null",) * SWITCHES[key]:
+            words = ", ".join(BOOL_WORDS + ("null",) * SWITCHES[key])
+            raise ConfigError(key, value, f"a switch: {words}", f"set {key}=true or {key}=false")
         if eq and (err := _type_refusal(key, value)):
             raise err
 
