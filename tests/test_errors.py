@@ -461,6 +461,23 @@ def test_complex_weight_is_refused_as_complex():
     refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}='torch.complex64': complex numbers")
 
 
+@pytest.mark.parametrize("head, name", [("dense", "mtp.layers.0.mlp.down_proj.weight"),
+                                         ("bf16_moe", "mtp.layers.0.mlp.experts.0.gate_proj.weight")])
+@pytest.mark.parametrize("value, what", [
+    (lambda t: t.float().numpy(), "'ndarray': not a torch.Tensor"),  # a state dict read with safetensors.numpy
+    (lambda t: t.tolist(), "'list': not a torch.Tensor"),
+    (lambda t: None, "'NoneType': not a torch.Tensor"),
+    (lambda t: torch.empty_like(t, device="meta"), "a meta tensor"),  # a model built without loading its weights
+], ids=["numpy", "list", "none", "meta"])
+def test_a_value_that_holds_no_tensor_data_is_refused_by_name(head, name, value, what):
+    """Such a value ended the build in AttributeError ('numpy.ndarray' object has no attribute 'is_complex') or
+    NotImplementedError (a meta tensor has no data), naming no tensor."""
+    cfg = mtpfactory.compose(f"+head={head}", *CPU)
+    w = qwen_mtp_weights(cfg.model, "dense" if head == "dense" else "moe", 0)
+    w[name] = value(w[name])
+    refused(WeightsError, lambda: mtpfactory.build_head(cfg, w), f"{name}=", what)
+
+
 def test_nvfp4_modelopt_weight_says_what_it_is():
     cfg = mtpfactory.compose("+head=dense", *CPU)
     name = "mtp.layers.0.self_attn.q_proj.weight"  # [128, 64] as NVFP4: codes [128, 32], scales [128, 4]

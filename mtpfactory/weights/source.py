@@ -63,12 +63,16 @@ class TensorSource:
         return self._resolve(name) is not None
 
     def dtype(self, name: str) -> torch.dtype | None:
-        """The stored dtype of `name` (under any spelling of its prefix), or None when it is missing; reads nothing."""
+        """The stored dtype of `name` (under any spelling of its prefix), or None when it is missing or not a tensor;
+        reads nothing."""
         key = self._resolve(name)
         if key is None:
             return None
         stored = getattr(self._tensors, "stored_dtype", None)   # a checkpoint's, from its header
-        return stored(key) if stored else self._tensors[key].dtype
+        if stored:
+            return stored(key)
+        t = self._tensors[key]
+        return t.dtype if isinstance(t, torch.Tensor) else None    # not a tensor: `take` refuses it by name
 
     def mtp_names(self) -> list[str]:
         """The checkpoint's names under any spelling of the MTP prefix."""
@@ -102,7 +106,13 @@ class TensorSource:
 
     def _check_format(self, key: str, t: torch.Tensor) -> None:
         """Refuse a tensor stored in a format these heads do not read: integer or FP8 codes, or a weight
-        that a bias or scale beside it modifies."""
+        that a bias or scale beside it modifies; or a value that holds no tensor data."""
+        if not isinstance(t, torch.Tensor):
+            raise WeightsError(key, type(t).__name__, "not a torch.Tensor: the head reads checkpoint-named tensors",
+                               "pass torch tensors (torch.from_numpy for a NumPy array), or the checkpoint's directory")
+        if t.is_meta:
+            raise WeightsError(key, f"{t.dtype} on meta", "a meta tensor holds no data (its model was built without "
+                               "loading the weights)", "pass the loaded tensors, or the checkpoint's directory")
         stem = key.removesuffix(".weight")
         if t.is_complex():
             raise WeightsError(key, str(t.dtype), "complex numbers where this head reads real floating-point "
