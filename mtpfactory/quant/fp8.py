@@ -17,8 +17,8 @@ FP8_E4M3_MAX = 448.0
 
 
 def matrix_refusal(w: Tensor, name: str) -> WeightsError | None:
-    """Why no format can store `w` by its shape and dtype, or None: not a tensor, not 2-D, empty, not floating
-    (its values are checked apart, `check_finite`: reading them waits on a GPU)."""
+    """Why no format can store `w` by its shape and dtype, or None: not a tensor, not 2-D, empty, not floating,
+    already quantized (its values are checked apart, `check_finite`: reading them waits on a GPU)."""
     if not isinstance(w, Tensor):
         return WeightsError(name, type(w).__name__, "a torch.Tensor", f"convert it: torch.as_tensor({name})")
     if w.dim() != 2 or w.numel() == 0:
@@ -26,6 +26,10 @@ def matrix_refusal(w: Tensor, name: str) -> WeightsError | None:
                             "quantize each weight matrix separately")
     if not w.dtype.is_floating_point:
         return WeightsError(f"{name}.dtype", w.dtype, "must be a floating-point type", "pass the unquantized weight")
+    if w.dtype.itemsize == 1:  # float8 (or packed float4) codes: read without their scales, they are not the weight
+        return WeightsError(f"{name}.dtype", w.dtype, "already quantized (8-bit codes, not the weight without their "
+                            "scales): quantize a float32, bfloat16, float16 or float64 weight",
+                            "dequantize it first (dequantize_fp8, dequantize_fp8_block), or pass the unquantized weight")
     return None
 
 

@@ -163,6 +163,15 @@ def test_refuses_nan_and_inf_naming_the_tensor(quantize, bad, count):
         quantize(w, name="mlp.down_proj.weight")
 
 
+@pytest.mark.parametrize("quantize", [quantize_fp8, quantize_fp8_block])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_refuses_an_already_quantized_weight_naming_it(quantize, dtype):
+    """FP8 codes without their scales were torch's NotImplementedError ("isfinite" not implemented)."""
+    with pytest.raises(WeightsError, match=rf"^q_proj\.weight\.dtype=torch\.{dtype.__repr__().split('.')[1]}: "
+                                           "already quantized.*dequantize"):
+        quantize(torch.ones(2, 16).to(dtype), name="q_proj.weight")
+
+
 def test_refuses_a_wrong_scale_table_shape():
     weight = torch.zeros(200, 300, dtype=torch.float8_e4m3fn)
     with pytest.raises(WeightsError, match=r"^q_proj\.weight_scale_inv\.shape=\(2, 2\): .* needs a \[2, 3\]"):

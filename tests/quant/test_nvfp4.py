@@ -216,6 +216,9 @@ def test_refuses_non_matrix_and_integer_weights():
         quantize_nvfp4(torch.ones(16))
     with pytest.raises(WeightsError, match=r"weight\.dtype"):
         quantize_nvfp4(torch.ones(2, 16, dtype=torch.int32))
+    # FP8 codes without their scales: was torch's NotImplementedError ("isfinite" not implemented)
+    with pytest.raises(WeightsError, match=r"^o_proj\.weight\.dtype=torch\.float8_e4m3fn: already quantized"):
+        quantize_nvfp4(torch.ones(2, 16).to(torch.float8_e4m3fn), name="o_proj.weight")
 
 
 def test_dequantize_refuses_mismatched_layout():
