@@ -11,7 +11,7 @@ import torch
 import mtpfactory
 from mtpfactory.components.ffn import ExpertsNVFP4
 from mtpfactory.components.linear import Linear
-from mtpfactory.errors import ConfigError
+from mtpfactory.errors import ConfigError, WeightsError
 from mtpfactory.weights.synthetic import qwen_mtp_weights
 
 CPU = ("runtime.device=cpu", "runtime.max_seq_len=256", "runtime.max_seqs=2", "runtime.prefill_chunk=32")
@@ -347,6 +347,16 @@ def test_gemv_split_work_reaches_every_projection(monkeypatch, split, quant):
     ops = {"quant=fp8": {"linear", "linear_fp8"}, "quant=nvfp4": {"linear", "linear_nvfp4", "rms_norm_linear_nvfp4"}}
     assert set(seen) == ops[quant[0]] and sum(map(len, seen.values())) > 10
     assert {s for calls in seen.values() for s in calls} == {split}
+
+
+@pytest.mark.parametrize("override, tensor", [("model.moe_intermediate_size=40", "down_proj"),
+                                              ("model.hidden_size=72", "gate_proj")])
+def test_nvfp4_experts_whose_k_is_not_a_multiple_of_16_are_refused_naming_the_lever(override, tensor):
+    """The fix said "keep this tensor unquantized or pad K", which no setting does: the lever is the fix."""
+    with pytest.raises(WeightsError) as e:
+        build("bf16_moe", "levers.experts_nvfp4=true", override)
+    assert e.value.field == f"mtp.layers.0.mlp.experts.0.{tensor}.weight.shape[1]"
+    assert "multiple of 16" in str(e.value) and "levers.experts_nvfp4=false" in e.value.fix
 
 
 def test_expert_quantization_reports_progress(monkeypatch, caplog):
