@@ -146,6 +146,10 @@ def test_compose_refuses_a_key_the_schema_lacks_set_without_plus():
     with pytest.raises(mtpfactory.ConfigError, match=r"^levers.kv_exct='1': not a config key.*did you mean "
                                                      r"levers.kv_exact\?"):
         mtpfactory.compose("+head=dense", "levers.kv_exct=1")
+    # a typo in the section: the key as written, and the key it meant (was "runtim='4' ... did you mean runtime?")
+    with pytest.raises(mtpfactory.ConfigError, match=r"^runtim.max_seqs='4': not a config key.*did you mean "
+                                                     r"runtime.max_seqs\?"):
+        mtpfactory.compose("+head=dense", "runtim.max_seqs=4")
 
 
 @pytest.mark.parametrize("value, want", [("TRUE", True), ("Yes", True), ("OFF", False), ("On", True)])

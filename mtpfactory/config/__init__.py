@@ -72,14 +72,14 @@ def _plain_key_refusal(key: str, value: str) -> ConfigError | None:
     section, dot, field = key.partition(".")
     if section == "hydra" or (not dot and section in GROUPS):
         return None
-    return _schema_key_refusal(section, field.partition(".")[0] if dot else None, value)
+    return _schema_key_refusal(section, field.partition(".")[0] if dot else None, value, key[len(section):])
 
 
-def _schema_key_refusal(section: str, field: str | None, value: object) -> ConfigError | None:
+def _schema_key_refusal(section: str, field: str | None, value: object, rest: str = "") -> ConfigError | None:
     """Why the schema has no section `section` or no `section.field`, or None (the one rule of `check_keys`, on
-    the composed config, and of `_plain_key_refusal`, on an override)."""
+    the composed config, and of `_plain_key_refusal`, on an override, whose key goes on with `rest`)."""
     if section not in SECTIONS:
-        return _unknown_key(section, value, list(SECTIONS))
+        return _unknown_key(section, value, list(SECTIONS), rest)
     fields = [f.name for f in dataclasses.fields(SECTIONS[section])]
     if field is not None and field not in fields:
         return _unknown_key(f"{section}.{field}", value, fields)
@@ -118,13 +118,15 @@ def check_keys(cfg: DictConfig) -> None:
                 raise err
 
 
-def _unknown_key(key: str, value: object, known) -> ConfigError:
+def _unknown_key(key: str, value: object, known, rest: str = "") -> ConfigError:
+    """`key`'s last part is not one of `known`; the key as written goes on with `rest` (`runtim` + `.max_seqs`),
+    named whole, and the suggestion keeps it (`runtime.max_seqs`)."""
     name = key.rpartition(".")[2]
     close = difflib.get_close_matches(name, known, n=1)
     fix = (f"remove it: components are chosen by registry name (head.ffn=NAME, ...), never by {name}"
-           if name == "_target_" else f"did you mean {key[: -len(name)]}{close[0]}?" if close
+           if name == "_target_" else f"did you mean {key[: -len(name)]}{close[0]}{rest}?" if close
            else "remove it (a +key is added as written, and nothing reads it)")
-    return ConfigError(key, value, f"not a config key; known here: {', '.join(known)}", fix)
+    return ConfigError(key + rest, value, f"not a config key; known here: {', '.join(known)}", fix)
 
 
 def compose(*overrides: str) -> DictConfig:
