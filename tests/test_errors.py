@@ -78,6 +78,13 @@ def test_unknown_head():
     assert err.suggestion == "dense"
 
 
+@pytest.mark.parametrize("override, good", [("kv=FP8", "fp8"), ("quant=NVFP4", "nvfp4"), ("+head=DENSE", "dense")])
+def test_an_option_in_other_capitals_is_suggested(override, good):
+    """`kv=FP8` got "choose one of ...": difflib compared it with `fp8` letter by letter, capitals unequal."""
+    err = refused(UnknownNameError, lambda: mtpfactory.compose("+head=dense", override), f"did you mean '{good}'")
+    assert err.suggestion == good
+
+
 def test_unknown_head_without_a_close_name_lists_the_heads():
     refused(UnknownNameError, lambda: mtpfactory.compose("+head=xyzzy"), "head='xyzzy'", "bf16_moe", "dense")
 
