@@ -23,7 +23,8 @@ def matrix_refusal(w: Tensor, name: str) -> WeightsError | None:
         return WeightsError(name, type(w).__name__, "a torch.Tensor", f"convert it: torch.as_tensor({name})")
     if w.dim() != 2 or w.numel() == 0:
         return WeightsError(f"{name}.shape", tuple(w.shape), "must be a non-empty 2-D [N, K] matrix",
-                            "quantize each weight matrix separately")
+                            "quantize each weight matrix separately" if w.dim() != 2 else
+                            "pass the whole weight: this one has no elements (check the slice that made it)")
     if not w.dtype.is_floating_point:
         return WeightsError(f"{name}.dtype", w.dtype, "must be a floating-point type", "pass the unquantized weight")
     if w.dtype.itemsize == 1:  # float8 (or packed float4) codes: read without their scales, they are not the weight

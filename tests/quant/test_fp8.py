@@ -172,6 +172,13 @@ def test_refuses_an_already_quantized_weight_naming_it(quantize, dtype):
         quantize(torch.ones(2, 16).to(dtype), name="q_proj.weight")
 
 
+@pytest.mark.parametrize("shape", [(0, 16), (4, 0)])
+def test_refuses_an_empty_matrix_with_a_fix_that_fits_it(shape):
+    """An empty [N, K] matrix was told to "quantize each weight matrix separately", the fix for a 3-D stack."""
+    with pytest.raises(WeightsError, match=r"^fc\.weight\.shape=.*non-empty.*Fix: pass the whole weight"):
+        quantize_fp8(torch.ones(shape), name="fc.weight")
+
+
 def test_refuses_a_wrong_scale_table_shape():
     weight = torch.zeros(200, 300, dtype=torch.float8_e4m3fn)
     with pytest.raises(WeightsError, match=r"^q_proj\.weight_scale_inv\.shape=\(2, 2\): .* needs a \[2, 3\]"):
