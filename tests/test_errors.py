@@ -644,3 +644,26 @@ def test_kv_pool_exhausted(head):
     assert head.cache.blocks_in_use == 4
     _step([9], positions=[0])(head)
     assert head.cache.blocks_in_use == 5
+
+
+# --- the module's conversions -------------------------------------------------------------------------
+@pytest.mark.parametrize("convert, field", [
+    (lambda h: h.to(torch.bfloat16), "runtime.dtype"),   # a bf16 head's dtype: its FP8 codes would become bf16
+    (lambda h: h.half(), "runtime.dtype"),
+    (lambda h: h.float(), "runtime.dtype"),
+    (lambda h: h.to("meta"), "runtime.device"),
+], ids=["to-its-own-dtype", "half", "float", "to-meta"])
+def test_a_conversion_that_would_change_the_heads_tensors_is_refused_and_changes_nothing(convert, field):
+    """`head.to(torch.bfloat16)` on a bf16 FP8 head cast its FP8 codes to bf16 without their scales, and the next
+    call failed naming a weight; a dtype or device change left the KV pool and the input checks behind."""
+    head = mtpfactory.build_head(mtpfactory.compose("+head=dense", "quant=fp8", "runtime.device=cpu",
+                                                    f"runtime.max_seq_len={MAX_LEN}", "runtime.max_seqs=1"))
+    before = {n: (t.dtype, t.device) for n, t in head.state_dict().items()}
+    refused(ConfigError, lambda: convert(head), f"{field}=", "is refused. Fix: ")
+    assert {n: (t.dtype, t.device) for n, t in head.state_dict().items()} == before
+    tokens, hidden = rows(3)
+    head.step(torch.arange(1), tokens[:1], hidden[:1].bfloat16(), torch.zeros(1, dtype=torch.long))
+
+
+def test_a_conversion_that_changes_nothing_passes(small_head):
+    assert small_head.to("cpu") is small_head and small_head.to(torch.float32).float() is small_head

@@ -7,6 +7,7 @@ decode path: writes KV, attends, returns logits and the chained hidden).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from mtpfactory import ops
 from mtpfactory.components.cache import PagedKVCache, WritePlan
-from mtpfactory.errors import InputError
+from mtpfactory.errors import ConfigError, InputError
 from mtpfactory.kernels import argmax
 
 
@@ -109,6 +110,24 @@ class DraftHead(nn.Module):
     def free(self, seq_id: int) -> None:
         """Forget the sequence and give its blocks back."""
         self.cache.free(_as_int(seq_id, "seq_id"))
+
+    def _apply(self, fn, recurse=True):
+        """Under `.to()`, `.half()`, `.cuda()`, ...: refused where it would change a tensor's dtype or device. The head
+        is built for runtime.dtype on runtime.device: its KV pool (no buffer of the module), its quantized weights
+        (FP8 codes cast to bf16 would lose their scales) and its input checks hold to them. A conversion that changes
+        nothing (`head.to(head.device)`) passes."""
+        for t in {(t.dtype, t.device): t for t in itertools.chain(self.parameters(), self.buffers())}.values():
+            to = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            if (to.dtype, to.device) != (t.dtype, t.device):
+                field, value = ("runtime.device", to.device) if to.device != t.device else ("runtime.dtype", to.dtype)
+                name = lambda x: str(x).removeprefix("torch.")  # noqa: E731
+                raise ConfigError(field, name(value), "the head is fixed at its build's runtime.dtype="
+                                  f"{name(self.dtype)} and runtime.device={self.device} (its KV pool, quantized "
+                                  "weights and input checks hold to them), so a conversion that changes its "
+                                  f"{name(t.dtype)} tensors is refused",
+                                  f"leave the head as built: it runs {name(value)} already" if value == self.dtype
+                                  else f"build the head with {field}={name(value)} instead of converting it")
+        return super()._apply(fn, recurse)
 
     # --- for the families ----------------------------------------------------------------------------
     def _write_rows(self, tokens, hidden, positions, slots) -> None:
