@@ -120,13 +120,13 @@ class DraftHead(nn.Module):
             to = fn(torch.empty(0, dtype=t.dtype, device=t.device))
             if (to.dtype, to.device) != (t.dtype, t.device):
                 field, value = ("runtime.device", to.device) if to.device != t.device else ("runtime.dtype", to.dtype)
-                name = lambda x: str(x).removeprefix("torch.")  # noqa: E731
-                raise ConfigError(field, name(value), "the head is fixed at its build's runtime.dtype="
-                                  f"{name(self.dtype)} and runtime.device={self.device} (its KV pool, quantized "
-                                  "weights and input checks hold to them), so a conversion that changes its "
-                                  f"{name(t.dtype)} tensors is refused",
-                                  f"leave the head as built: it runs {name(value)} already" if value == self.dtype
-                                  else f"build the head with {field}={name(value)} instead of converting it")
+                value, dtype = (str(v).removeprefix("torch.") for v in (value, self.dtype))
+                raise ConfigError(field, value, f"the head is fixed at its build's runtime.dtype={dtype} and "
+                                  f"runtime.device={self.device} (its KV pool, quantized weights and input checks "
+                                  "hold to them), so a conversion that changes its "
+                                  f"{str(t.dtype).removeprefix('torch.')} tensors is refused",
+                                  f"leave the head as built: it runs {value} already" if value == dtype
+                                  else f"build the head with {field}={value} instead of converting it")
         return super()._apply(fn, recurse)
 
     # --- for the families ----------------------------------------------------------------------------
