@@ -152,6 +152,20 @@ def test_compose_refuses_a_key_the_schema_lacks_set_without_plus():
         mtpfactory.compose("+head=dense", "runtim.max_seqs=4")
 
 
+def test_a_section_set_whole_is_checked_key_by_key():
+    """`demo={k:5,_target_:os.system}` ended in Hydra's own error (and stopped a `-m` sweep with no table); each of
+    its keys is now checked as `demo.KEY=VALUE` would be. A group set to a dict is told to set its fields."""
+    with pytest.raises(ConfigError, match=r"^demo._target_='os.system': not a config key.*never by _target_"):
+        mtpfactory.compose("+head=dense", "demo={k:5,_target_:os.system}")
+    with pytest.raises(ConfigError, match=r"^demo.k='abc': not a value of the field's type, int"):
+        mtpfactory.compose("+head=dense", "demo={k:abc}")
+    with pytest.raises(ConfigError, match=r"^demo.kk='5': not a config key.*did you mean demo.k\?"):
+        mtpfactory.compose("+head=dense", "demo={kk:5}")
+    with pytest.raises(ConfigError, match=r"^levers='\{kv_exct:true\}': a config group.*levers.FIELD=VALUE"):
+        mtpfactory.compose("+head=dense", "levers={kv_exct:true}")
+    assert mtpfactory.compose("+head=dense", "demo={k:2,sequences:1}").demo.k == 2
+
+
 @pytest.mark.parametrize("value, want", [("TRUE", True), ("Yes", True), ("OFF", False), ("On", True)])
 def test_a_switch_lever_reads_its_words_from_the_environment_in_any_case(monkeypatch, value, want):
     """The command line takes `levers.kv_exact=TRUE`; the environment takes the same words the same way."""

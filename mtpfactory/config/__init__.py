@@ -49,9 +49,17 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
     `model.tie_word_embeddings=2` switch it on); a field set to a value its type cannot hold
     (`runtime.max_seqs=abc`), which Hydra reports with a traceback; and a
     key the schema lacks set without `+` (`levers.kv_exct=true`, `model._target_=...`), which Hydra refuses
-    with its own message and no "did you mean" (with `+` Hydra adds it, and `check_keys` refuses it)."""
+    with its own message and no "did you mean" (with `+` Hydra adds it, and `check_keys` refuses it). A section
+    set whole (`demo={k:5}`) is checked key by key, as `demo.k=5`."""
     for o in overrides:
         key, eq, value = o.partition("=")
+        if eq and value.startswith("{") and (entries := _dict_entries(o)) is not None:
+            if key.lstrip("+~") in GROUPS:
+                raise ConfigError(key, value, f"a config group: its value names one of its options "
+                                  f"({', '.join(options(key.lstrip('+~')))})",
+                                  f"set its fields one by one, e.g. {key.lstrip('+~')}.FIELD=VALUE")
+            check_overrides([f"{key}.{k}={v}" for k, v in entries])
+            continue
         if eq and not o.startswith(("+", "~")) and (err := _plain_key_refusal(key, value)):
             raise err
         key = key.lstrip("+~")
@@ -65,6 +73,17 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
             raise ConfigError(key, value, f"a switch: {words}", f"set {key}=true or {key}=false")
         if eq and (err := _type_refusal(key, value)):
             raise err
+
+
+def _dict_entries(override: str) -> list[tuple[str, str]] | None:
+    """The (key, value as written) pairs of an override whose value is a dict (`demo={k:5,x:{y:1}}`), or None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Override
+
+    value = OverridesParser.create().parse_override(override).value()
+    if not isinstance(value, dict):
+        return None
+    return [(k, v if isinstance(v, str) else Override._get_value_element_as_str(v)) for k, v in value.items()]
 
 
 def _plain_key_refusal(key: str, value: str) -> ConfigError | None:
