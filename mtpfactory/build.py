@@ -52,10 +52,11 @@ def runtime_dtype(cfg: DictConfig) -> torch.dtype:
 
 
 def runtime_device(cfg: DictConfig) -> torch.device:
-    if cfg.runtime.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """`runtime.device` as the device its tensors report: `cuda` (and `auto` on a GPU) the current GPU by index,
+    `cpu:0` plain `cpu`, so that a caller's tensor compares equal to it exactly when it lies there."""
+    spelled = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.runtime.device == "auto" else cfg.runtime.device
     try:
-        device = torch.device(cfg.runtime.device)
+        device = torch.device(spelled)
     except RuntimeError:
         raise ConfigError("runtime.device", cfg.runtime.device, "not a torch device",
                           "use auto, cpu, cuda or cuda:N") from None
@@ -72,7 +73,9 @@ def runtime_device(cfg: DictConfig) -> torch.device:
         raise ConfigError("runtime.device", cfg.runtime.device,
                           f"a GPU index in [0, {count}): this machine has {count}",
                           f"use runtime.device=cuda:0{f' to cuda:{count - 1}' if count > 1 else ''} or cuda")
-    return device
+    if device.type == "cpu":
+        return torch.device("cpu")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def weights_seed(cfg: DictConfig) -> int:

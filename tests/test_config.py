@@ -195,11 +195,18 @@ def test_compose_returns_the_levers_as_the_environment_was_when_it_composed(monk
 
 
 def test_runtime_device_auto_is_cuda_where_a_gpu_is_available(monkeypatch):
+    """... as the device a tensor there reports: the current GPU by index (a caller's hidden on another GPU is
+    refused by that comparison, not read by the kernels), the CPU without one (`cpu:0` tensors report `cpu`)."""
     cfg = mtpfactory.compose("+head=dense")
-    assert runtime_device(cfg) == torch.device("cpu" if not torch.cuda.is_available() else "cuda")
+    assert runtime_device(cfg) == torch.empty(0, device="cuda" if torch.cuda.is_available() else "cpu").device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert runtime_device(cfg) == torch.device("cuda")
-    assert runtime_device(mtpfactory.compose("+head=dense", "runtime.device=cpu")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert runtime_device(cfg) == torch.device("cuda", 1)
+    assert runtime_device(mtpfactory.compose("+head=dense", "runtime.device=cuda")) == torch.device("cuda", 1)
+    assert runtime_device(mtpfactory.compose("+head=dense", "runtime.device=cuda:0")) == torch.device("cuda", 0)
+    for spelled in ("cpu", "cpu:0"):
+        assert runtime_device(mtpfactory.compose("+head=dense", f"runtime.device={spelled}")) == torch.device("cpu")
 
 
 def test_weights_seed_picks_the_synthetic_weights():

@@ -161,9 +161,9 @@ class DraftHead(nn.Module):
         if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != (n, self.hidden_size):
             raise InputError("hidden.shape", tuple(getattr(hidden, "shape", ())), f"expected ({n}, {self.hidden_size})",
                              "pass the target's last hidden state of each row, [rows, hidden_size]")
-        if hidden.dtype != self.dtype or hidden.device.type != self.device.type:
+        if hidden.dtype != self.dtype or hidden.device != self.device:    # another GPU's: its kernels would read
             raise InputError("hidden", f"{hidden.dtype} on {hidden.device}", f"the head runs {self.dtype} on "
-                             f"{self.device}", f"pass hidden.to({self.device.type!r}, {self.dtype})")
+                             f"{self.device}", f"pass hidden.to({str(self.device)!r}, {self.dtype})")
         tokens = tokens.to(torch.int64)  # before any arithmetic: a uint8 or int8 id would wrap
         lo, hi = torch.stack(torch.aminmax(tokens)).tolist()
         if lo < 0 or hi >= self.vocab_size:

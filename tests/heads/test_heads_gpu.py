@@ -88,3 +88,16 @@ def test_gpu_head_at_real_size_triton_path_equals_native_path(case):
     assert all(r.isfinite().all() for r in runs.values())
     rel = {name: ((runs[name] - runs["fp32"]).norm() / runs["fp32"].norm()).item() for name in ("native", "triton")}
     assert rel["triton"] < 2e-2 and rel["native"] < 4e-2, rel
+
+
+def test_a_head_on_the_gpu_takes_hidden_on_its_own_gpu_only():
+    """`runtime.device=cuda` is the current GPU by index, so a tensor there compares equal to the head's device;
+    hidden on another GPU was let through (only the device type was compared) to kernels that would read it."""
+    head = mtpfactory.build_head(mtpfactory.compose("+head=dense", *GPU))
+    assert head.device == torch.device("cuda", torch.cuda.current_device())
+    one = (torch.tensor([0]), torch.zeros(1, head.hidden_size, dtype=torch.bfloat16), torch.tensor([0]))
+    head.step(torch.tensor([0]), one[0], one[1].to(head.device), one[2])
+    if torch.cuda.device_count() > 1:
+        other = torch.device("cuda", 1 - head.device.index if head.device.index < 2 else 0)
+        with pytest.raises(mtpfactory.InputError, match=rf"^hidden='torch.bfloat16 on {other}'"):
+            head.step(torch.tensor([1]), one[0], one[1].to(other), one[2])
