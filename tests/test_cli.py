@@ -116,6 +116,11 @@ def test_a_single_refused_run_says_why_and_exits_1(tmp_path):
     # a value as the field will hold it, not as Hydra escapes it to write it back (`$\{runtime.max_seqs\}`)
     (["+head=dense", "runtime.prefill_chunk=${runtime.max_seqs}", "runtime.max_seqs=${demo.k},8"], None),
     (["+head=dense", "runtime.max_seqs='abc'"], "runtime.max_seqs='abc': not a value of the field's type, int"),
+    # a head without `+`: Hydra's "Could not override 'head'" and exit 1, not the usage
+    (["head=dense,bf16_moe"], "head='dense': a head is added to the config, written +head=NAME. Fix: write "
+                              "+head=dense"),
+    # a section set whole: each key checked (was Hydra's own error, which stopped a sweep without its table)
+    (["+head=dense", "demo={k:5,_target_:os.system}"], "demo._target_='os.system'"),
 ])
 def test_every_sweep_value_of_a_group_or_switch_is_checked_before_hydra_runs(args, bad, capsys):
     """A head, a group option, a switch's word or a value of the wrong type that no run could take refuses the

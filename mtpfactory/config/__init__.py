@@ -60,6 +60,9 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
                                   f"set its fields one by one, e.g. {key.lstrip('+~')}.FIELD=VALUE")
             check_overrides([f"{key}.{k}={v}" for k, v in entries])
             continue
+        if eq and key == "head":  # the defaults list names no head, so Hydra has none to override
+            raise ConfigError(key, value, "a head is added to the config, written +head=NAME",
+                              f"write +head={value}")
         if eq and not o.startswith(("+", "~")) and (err := _plain_key_refusal(key, value)):
             raise err
         key = key.lstrip("+~")
