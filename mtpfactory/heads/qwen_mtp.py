@@ -132,6 +132,8 @@ def check_config(cfg: DictConfig, form: str) -> None:
         raise ConfigError("levers.kv_exact", True, f"per-token KV scales need kv=fp8 (this run: kv={cfg.kv.dtype})",
                           f"add kv=fp8, or drop the lever{_from_env('kv_exact', True)}")
     _check_ffn_component(cfg, form)
+    for kind in ("attention", "lm_head", "norm"):   # named before any weight is read, or kv_reserve_bytes counts
+        registry.get(kind, cfg.head[kind])          # the pool of a head that cannot be built
     lacking = [f for f in FFN_FIELDS[form] if m.get(f) is None]
     if lacking:
         preset = "qwen3_next_tiny" if form == "moe" else "qwen3_5_dense_tiny"

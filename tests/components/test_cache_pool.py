@@ -4,6 +4,7 @@ import pytest
 
 import mtpfactory
 from mtpfactory.components.cache import drafter_pool_blocks
+from mtpfactory.errors import UnknownNameError
 
 
 @pytest.mark.parametrize("max_seq_len, block, max_seqs, main, extra, expected", [
@@ -44,3 +45,11 @@ def test_kv_reserve_bytes_at_real_size_needs_no_build():
     cfg = mtpfactory.compose("+head=bf16_moe", "model=qwen3_next_80b")
     # 257 blocks * 8 seqs * 16 tokens * 2 kv heads * 256 dims * 2 (K, V) * 2 bytes
     assert mtpfactory.kv_reserve_bytes(cfg) == 257 * 8 * 16 * 2 * 256 * 2 * 2
+
+
+@pytest.mark.parametrize("field", ["head.attention", "head.lm_head", "head.norm"])
+def test_kv_reserve_bytes_refuses_a_component_the_build_would(field):
+    """An unknown component name was counted as the built-in attention's pool; the build refuses it."""
+    cfg = mtpfactory.compose("+head=dense", f"{field}=nope")
+    with pytest.raises(UnknownNameError, match=rf"^{field}='nope': unknown"):
+        mtpfactory.kv_reserve_bytes(cfg)
