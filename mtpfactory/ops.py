@@ -214,8 +214,9 @@ _LAYOUTS = {"any": "", "contiguous": "contiguous ", "rows": "row-strided (last d
 def out_refusal(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                 field: str = "out", layout: str = "any") -> InputError | None:
     """Why an `out=` (or scratch) tensor cannot hold the op's result, or None (also for no `out`): another shape,
-    dtype or device, or a layout the provider cannot write (`layout`: "any", "contiguous", or "rows": rows at
-    any stride)."""
+    dtype or device, a layout the provider cannot write (`layout`: "any", "contiguous", or "rows": rows at any
+    stride), or elements that share memory (stride 0 along a dim of several, as `expand` makes: torch's copy_
+    refuses it, and a kernel writing by strides would race its rows into one)."""
     if out is None:
         return None
     laid = (layout == "any" or (layout == "contiguous" and out.is_contiguous())
@@ -224,6 +225,11 @@ def out_refusal(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.d
         return InputError(field, f"{_dtype(out.dtype)} {list(out.shape)} on {out.device}, strides {out.stride()}",
                           f"must be a {_LAYOUTS[layout]}{_dtype(dtype)} tensor of shape {list(shape)} on {device}",
                           f"allocate it as the op returns its result, or leave {field}=None")
+    if any(s == 0 and n > 1 for n, s in zip(out.shape, out.stride())):
+        return InputError(field, f"{_dtype(out.dtype)} {list(out.shape)}, strides {out.stride()}",
+                          "a tensor whose elements have memory of their own (a stride 0 shares one element "
+                          "along that dim)", f"allocate it as the op returns its result (not .expand()), or "
+                          f"leave {field}=None")
     return None
 
 

@@ -175,3 +175,31 @@ def test_use_backend_gives_the_previous_backend_back_on_exit_and_on_error():
     with pytest.raises(ConfigError, match="runtime.backend='cuda': allowed: auto, triton, native"), \
             ops.use_backend("cuda"):
         pass
+
+
+def _expanded_outs() -> dict:
+    """Calls whose `out` is an expanded buffer (stride 0 along a dim of several elements): its elements share
+    memory, so the result cannot be held."""
+    from mtpfactory import kernels as K
+    from mtpfactory.kernels.rope import rope_inv_freq
+    table, x = torch.randn(6, 4), torch.randn(2, 2, 8)
+    return {
+        "embedding": (K.embedding, (torch.tensor([1, 2]), table), torch.zeros(1, 4).expand(2, 4)),
+        "argmax": (K.argmax, (torch.randn(3, 5),), torch.zeros(1, dtype=torch.int64).expand(3)),
+        "rope_neox": (K.rope_neox, (x, torch.tensor([1, 2]), rope_inv_freq(8, 1e4)),
+                      torch.zeros(1, 2, 8).expand(2, 2, 8)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_expanded_outs()))
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_an_out_whose_elements_share_memory_is_refused_by_every_backend(case, backend):
+    """An `out` expanded from one row cannot hold a result a row: the reference met it with torch's raw
+    "more than one element of the written-to tensor refers to a single memory location" after computing, and the
+    Triton providers (which write by strides) raced their rows into it and returned one row's values for all."""
+    op, args, out = _expanded_outs()[case]
+    before = out.clone()
+    shared = r"^out=.*strides \(0[,)].*elements have memory of their own"
+    with ops.use_backend(backend), pytest.raises(MtpfError, match=shared):
+        op(*args, out=out)
+    assert torch.equal(out, before)
