@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import InputError
+from mtpfactory.errors import InputError, MtpfError
 from mtpfactory.kernels.embedding import embedding, embedding_refusal, embedding_triton
 from backend_refusal import assert_backend_refuses
 
@@ -199,3 +199,21 @@ def test_gpu_out_offsets_past_int32():
         got = embedding(ids, table, out=out)
     assert got is out
     assert torch.equal(out, table[ids])
+
+
+def test_an_out_sharing_memory_with_the_table_is_left_to_the_reference():
+    """`out` a slice of the table itself (gathering rows over the table's own first rows): the reference reads
+    every row before it writes, while the kernel's programs overwrite rows that later programs read (row 0
+    taken by id 1 was then read by id 0, which got row 1 again). The provider refuses it by name, so `auto` runs
+    the reference and an explicit `triton` says why."""
+    table = torch.arange(24, dtype=torch.float32).view(6, 4)
+    ids = torch.tensor([1, 0, 3])
+    want = table[ids].clone()
+    assert embedding_refusal(ids, table) is None
+    with ops.use_backend("triton"):
+        before = table.clone()
+        with pytest.raises(MtpfError, match=r"has no triton provider .*it refuses out=.*memory shared with table"):
+            embedding(ids, table, out=table[:3])
+        assert torch.equal(table, before)
+    with ops.use_backend("auto"):
+        assert torch.equal(embedding(ids, table, out=table[:3]), want)
