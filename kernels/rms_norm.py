@@ -140,6 +140,15 @@ def rms_norm_refusal(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
     return None
 
 
+def eps_refusal(eps: float) -> InputError | None:
+    """Why the kernel cannot take `eps`, or None: a Python number (the kernel takes it as a scalar argument; a
+    tensor would reach it as a pointer)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return InputError("eps", f"{type(eps).__name__} {eps!r}"[:120], "a Python float (the kernel takes it as a "
+                          "number, not a tensor)", "pass float(eps)")
+    return None
+
+
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     residual_out: torch.Tensor | None = None, x_pairs: XPairs | None = None, pdl: bool = False):
@@ -147,7 +156,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     (optional) receives what the NVFP4 GEMV's x pass would write for the norm, viewed as [M, H] (H a multiple
     of 16); `pdl`: the next launch is a programmatic dependent launch (`linear.x_pass_pdl`). Operands as
     `rms_norm_refusal` says."""
-    if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out):
+    if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out) or eps_refusal(eps):
         raise err
     return rms_norm_launch(x, weight, eps, zero_centred, residual, out, residual_out, x_pairs, pdl)
 
@@ -192,7 +201,7 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
 def _rms_norm_call_refusal(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None):
     """The op's call: `rms_norm_refusal`, and `out` / `residual_out` contiguous (the kernel writes rows H
     apart; `auto` gives others to the reference, which writes any strides)."""
-    if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out):
+    if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out) or eps_refusal(eps):
         return err
     for field, t in (("out", out), ("residual_out", residual_out)):
         if t is not None and not t.is_contiguous():

@@ -173,3 +173,18 @@ def test_gpu_matches_reference(dtype, M, H, zero_centred):
     want_y2, want_s2 = rms_norm.reference(x, w, 1e-6, zero_centred, res)
     assert torch.equal(s2, want_s2)
     assert_matches(y2, want_y2)
+
+
+def test_an_eps_that_is_not_a_number_is_left_to_the_reference():
+    """eps as a 0-D tensor: the reference adds it as torch does, while the kernel, which takes eps as a number,
+    met it with a raw Triton error (a pointer where a float goes; on a GPU under `auto`, a CUDA eps reached the
+    kernel). The provider refuses it by name: `auto` runs the reference, `triton` says why."""
+    x, w = torch.randn(2, 16), torch.randn(16)
+    eps = torch.tensor(1e-6)
+    with ops.use_backend("triton"):
+        with pytest.raises(ConfigError, match=r"op rms_norm has no triton provider .*it refuses eps="):
+            rms_norm(x, w, eps, False)
+        with pytest.raises(InputError, match=r"^eps=.*a Python float"):
+            rms_norm_triton(x, w, eps, False)
+    with ops.use_backend("auto"):
+        assert torch.equal(rms_norm(x, w, eps, False), rms_norm.reference(x, w, 1e-6, False))

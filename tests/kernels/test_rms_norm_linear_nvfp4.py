@@ -166,6 +166,19 @@ def test_dispatch_and_refusal():
         rms_norm_linear_nvfp4_triton(x, norm_w, 1e-6, False, w[0], w[1].float(), w[2], residual=res)
 
 
+def test_an_eps_that_is_not_a_number_is_left_to_the_reference():
+    """eps as a 0-D tensor reached the norm kernel as a pointer (a raw Triton error): the provider refuses it
+    by name, as `rms_norm`'s does, and `auto` runs the reference."""
+    x, norm_w, w, _ = _inputs(2, 7, 32, 0, False)
+    eps = torch.tensor(1e-6)
+    with ops.use_backend("triton"):
+        with pytest.raises(ConfigError, match=r"op rms_norm_linear_nvfp4 has no triton provider .*it refuses eps="):
+            rms_norm_linear_nvfp4(x, norm_w, eps, False, *w)
+        with pytest.raises(InputError, match=r"^eps=.*a Python float"):
+            rms_norm_linear_nvfp4_triton(x, norm_w, eps, False, *w)
+    want = rms_norm_linear_nvfp4.reference(x, norm_w, 1e-6, False, *w)
+    assert all(torch.equal(a, b) for a, b in zip(rms_norm_linear_nvfp4(x, norm_w, eps, False, *w), want))
+
 @pytest.mark.parametrize("case", NORM_CASES)
 def test_norm_operands_are_refused_by_the_provider_as_by_the_predicate(case, monkeypatch):
     """Called directly, the provider refuses the norm's operands as the op's predicate does (`rms_norm_refusal`,
