@@ -73,10 +73,16 @@ def _shape_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                    slots: torch.Tensor) -> InputError | None:
     """Why no provider can write k and v at these slots, or None (the reference's part of
     `reshape_and_cache_refusal`: rows that broadcast, slots of any shape): v_cache holds as many slots as k_cache
-    (a slot names a row of both)."""
+    (a slot names a row of both), and neither cache FP8 (`reshape_and_cache_fp8` writes those: DESIGN 3 clamps to
+    ±448 before the cast, which past it gives NaN on some torch versions and 448 on others)."""
     if err := (slot_dtype_refusal(slots) or cache_dims_refusal("k_cache", k_cache)
                or cache_dims_refusal("v_cache", v_cache)):
         return err
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype.is_floating_point and cache.dtype.itemsize == 1:
+            return InputError(name, f"{cache.dtype} {list(cache.shape)}", "a 16-bit, fp32 or fp64 cache: an FP8 one "
+                              "takes its values clamped to ±448 (DESIGN 3), which a plain cast does not do",
+                              "write FP8 caches with reshape_and_cache_fp8")
     if v_cache.shape[0] * v_cache.shape[1] != k_cache.shape[0] * k_cache.shape[1]:
         return InputError("v_cache", f"{v_cache.dtype} {list(v_cache.shape)}",
                           f"as many slots as k_cache {list(k_cache.shape)}, {k_cache.shape[0]} blocks of "

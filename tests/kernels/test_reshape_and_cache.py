@@ -217,12 +217,13 @@ def test_operands_the_kernel_cannot_take_are_refused_by_the_predicate_the_provid
 
 
 @pytest.mark.parametrize("case", ["slots bool", "slots uint8", "slots float", "slots int16", "v_cache of fewer slots",
-                                  "k of other heads", "k of other D", "k 2-D", "v of fewer rows"])
+                                  "k of other heads", "k of other D", "k 2-D", "v of fewer rows", "k_cache FP8"])
 @pytest.mark.parametrize("backend", ["native", "auto"])
 def test_slots_and_shapes_no_provider_can_write_are_refused_by_the_reference(case, backend):
     """Slots torch would read as a mask or cannot index by, a V cache of fewer slots and rows that do not fit the
     cache, which the reference met with a raw torch error (IndexError, RuntimeError) or a mask, are refused
-    naming the operand, before anything is written."""
+    naming the operand, before anything is written; so is an FP8 cache, which the reference cast to without
+    DESIGN 3's clamp (NaN past ±448 on the GPU image's torch 2.11), and `auto` ran it there."""
     make, field, _ = BAD[case]
     args = make(*_ops())
     with ops.use_backend(backend), pytest.raises(InputError, match=rf"^{field}="):
@@ -231,7 +232,7 @@ def test_slots_and_shapes_no_provider_can_write_are_refused_by_the_reference(cas
 
 
 def test_the_reference_takes_what_only_the_kernel_refuses():
-    """An FP8 or fp64 cache, strided caches (along D; the halves of a [blocks, 2, block_size, ...] K|V cache), a
+    """An fp64 cache, strided caches (along D; the halves of a [blocks, 2, block_size, ...] K|V cache), a
     V cache of other blocks but as many slots, one row broadcast to every slot, int k, k strided along D, one 0-D
     slot: the reference writes them as torch's indexed assignment
     does (under `auto` the op falls back to it)."""
@@ -249,7 +250,6 @@ def test_the_reference_takes_what_only_the_kernel_refuses():
         assert torch.equal(kc.view(torch.uint8), wk.view(torch.uint8))
         assert torch.equal(vc.view(torch.uint8), wv.view(torch.uint8))
 
-    check(k, v, _fp8_nan(kc.shape), vc.clone())
     check(k, v, kc.double(), vc.clone())
     strided = nan_cache(2, 4, 2, 16, torch.float32)[..., ::2]
     ref(k, v, strided, vc.clone(), slots)
