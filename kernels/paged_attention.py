@@ -30,14 +30,18 @@ def _shape_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    context_lens: torch.Tensor, gate: torch.Tensor | None, k_scale: torch.Tensor | None,
                    v_scale: torch.Tensor | None) -> InputError | None:
     """Why no provider can attend with these shapes, or None (the reference's part of
-    `paged_decode_attention_refusal`): q [B, q_heads, D]; k_cache [blocks, block_size >= 1, kv_heads >= 1, D], q_heads
+    `paged_decode_attention_refusal`): q a floating-point [B, q_heads, D]; k_cache [blocks, block_size >= 1, kv_heads >= 1, D], q_heads
     a multiple of kv_heads; v_cache and the scales ([blocks, block_size, kv_heads]) of k_cache's block_size and
-    kv_heads (and D); block_tables [B, max_blocks] and context_lens [B] (the reference reads the first B rows
-    of longer ones); gate broadcast to q's shape. Caches and scales may differ in their count of blocks: the
+    kv_heads (and D); block_tables [B, max_blocks] and context_lens [B] of integers (the reference reads the
+    first B rows of longer ones); gate broadcast to q's shape. Caches and scales may differ in their count of blocks: the
     reference checks the block ids against the fewest."""
-    if q.dim() != 3:
-        return InputError("q", f"{q.dtype} {list(q.shape)}", "a [B, q_heads, D] tensor, one query row a sequence",
-                          "view the heads as [B, q_heads, D]")
+    if q.dim() != 3 or not q.dtype.is_floating_point:
+        return InputError("q", f"{q.dtype} {list(q.shape)}", "a [B, q_heads, D] tensor of floating point, one query "
+                          "row a sequence", "view the heads as [B, q_heads, D], in the attention's dtype")
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
+            return InputError(name, f"{t.dtype} {list(t.shape)}", "integers, int32 or int64 (bool would be read as "
+                              "ids and counts 0 and 1, floats cut to integers)", f"pass {name} as int32 or int64")
     b, hq, d = q.shape
     if k_cache.dim() != 4 or k_cache.shape[1] == 0 or k_cache.shape[2] == 0 or k_cache.shape[3] != d:
         return InputError("k_cache", f"{k_cache.dtype} {list(k_cache.shape)}",

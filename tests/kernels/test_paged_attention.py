@@ -383,6 +383,7 @@ def _heads(hq: int, hkv: int, d: int):
 BAD = {
     "q 2-D": (_with(q=lambda a: a["q"][0]), "q", r"a \[B, q_heads, D\] tensor"),
     "q fp64": (_with(q=lambda a: a["q"].double()), "q", "bf16, fp16 or fp32"),
+    "q int": (_with(q=lambda a: a["q"].int()), "q", r"a \[B, q_heads, D\] tensor of floating point"),
     "q heads not a multiple of KV heads": (_with(q=lambda a: a["q"][:, :3]), "q",
                                            "a multiple of the cache's kv_heads = 2"),
     "q D past 512": (lambda: _heads(2, 1, 520), "q", "D <= 512"),
@@ -440,13 +441,14 @@ BAD = {
 
 
 def _poisoned_for(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, what to check is still NaN): q's shape in q's dtype (fp32 for a q of no dims' worth), one NaN seen
-    through stride 0 where q is huge."""
+    """(out, what to check is still NaN): q's shape in q's dtype (fp32 for a q of no dims' worth or of integers),
+    one NaN seen through stride 0 where q is huge."""
     shape = q.shape if q.dim() == 3 else (2, 4, 16)
+    dtype = q.dtype if q.dtype.is_floating_point else torch.float32
     if q.numel() <= 2**22:
-        out = torch.full(shape, float("nan"), dtype=q.dtype)
+        out = torch.full(shape, float("nan"), dtype=dtype)
         return out, out
-    one = torch.full((1, 1, 1), float("nan"), dtype=q.dtype)
+    one = torch.full((1, 1, 1), float("nan"), dtype=dtype)
     return one.expand(shape), one
 
 
@@ -509,12 +511,14 @@ def test_num_splits_past_what_int32_addresses_in_the_partials_is_refused():
                                   "k_cache of no KV heads", "k_cache of no block size", "k_cache 5-D",
                                   "v_cache of other block size",
                                   "gate of other heads", "k_scale 2-D", "block_tables 1-D",
-                                  "block_tables of fewer rows", "context_lens of fewer rows"])
+                                  "block_tables of fewer rows", "context_lens of fewer rows", "q int",
+                                  "block_tables bool", "context_lens float"])
 @pytest.mark.parametrize("backend", ["native", "auto"])
 def test_shapes_no_provider_can_attend_with_are_refused_by_the_reference(case, backend):
     """Shapes that do not agree, which the reference met with a raw torch error (einsum, repeat_interleave,
     reshape, indexing) or read wrongly (a cache of another D reshaped into more tokens), are refused naming the
-    operand, before anything is written."""
+    operand, before anything is written; so are an integer q and bool or float block ids and lengths, which it
+    read as numbers (bool ids as blocks 0 and 1)."""
     make, field, _ = BAD[case]
     args = make()
     out, poison = _poisoned_for(args[0])
@@ -537,8 +541,8 @@ def test_block_ids_are_checked_against_the_cache_of_fewest_blocks():
 
 def test_the_reference_takes_what_only_the_kernel_refuses():
     """fp64 q, gate and cache, D past 512, FP8 E5M2 caches, a V cache of another dtype or more blocks, a gate that
-    broadcasts, bf16 scales or more blocks of them, float context lengths, bool block ids, tables of more rows: the
-    reference attends with them as with their plain form (under `auto` the op falls back to it)."""
+    broadcasts, bf16 scales or more blocks of them, int16 context lengths, tables of more rows: the reference
+    attends with them as with their plain form (under `auto` the op falls back to it)."""
     ref = paged_decode_attention.reference
     a = _ops()
     want = ref(*[a[n] for n in NAMES])
@@ -550,7 +554,7 @@ def test_the_reference_takes_what_only_the_kernel_refuses():
     same(gate=a["gate"].double(), tol=TOL[torch.bfloat16])  # the product rounds once, not twice
     same(v_cache=torch.cat([a["v_cache"], a["v_cache"]]), v_scale=torch.cat([a["v_scale"], a["v_scale"]]))
     same(block_tables=a["block_tables"].repeat(2, 1), context_lens=a["context_lens"].repeat(2))
-    same(context_lens=a["context_lens"].float())
+    same(context_lens=a["context_lens"].short())
     same(q=a["q"].double(), tol=TOL[torch.bfloat16])
     same(k_scale=a["k_scale"].bfloat16(), tol=TOL[torch.bfloat16])
     gate = a["gate"][:, :, :1]
@@ -560,10 +564,6 @@ def test_the_reference_takes_what_only_the_kernel_refuses():
     assert ref(*wide).isfinite().all()
     e5m2 = [t.to(torch.float8_e5m2) if i in (1, 2) else t for i, t in enumerate(wide)]
     assert ref(*e5m2).isfinite().all()
-    ones = dict(a, context_lens=torch.ones_like(a["context_lens"]))   # one token a row, in block 1 (ids as 0 / 1)
-    mask = a["block_tables"] > 0
-    assert torch.equal(ref(*[dict(ones, block_tables=mask)[n] for n in NAMES]),
-                       ref(*[dict(ones, block_tables=mask.int())[n] for n in NAMES]))
     with ops.use_backend("auto"):
         torch.testing.assert_close(paged_decode_attention(*[dict(a, gate=gate)[n] for n in NAMES]),
                                    ref(*[dict(a, gate=gate.expand_as(a["q"]))[n] for n in NAMES]), atol=0, rtol=0)
