@@ -11,7 +11,12 @@ from mtpfactory.ops import Op, out_or_empty, out_refusal, write_out
 
 
 def _argmax_shape_refusal(logits: torch.Tensor) -> InputError | None:
-    """Why no provider can take the argmax of these rows, or None: a row of V = 0 logits has no index."""
+    """Why no provider can take the argmax of these rows, or None: bool or complex logits (no order torch.argmax
+    takes), or a row of V = 0 logits, which has no index."""
+    if logits.dtype == torch.bool or logits.dtype.is_complex:
+        return InputError("logits", f"{logits.dtype} {list(logits.shape)}", "real numbers (floating point or "
+                          "integers): bool and complex have no order to take the maximum of",
+                          "pass the logits themselves (a mask: logits.float())")
     if logits.dim() > 0 and logits.shape[-1] == 0:
         return InputError("logits", f"{logits.dtype} {list(logits.shape)}",
                           "at least one logit a row (V >= 1): an empty row has no argmax",

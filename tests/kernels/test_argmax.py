@@ -176,6 +176,16 @@ def test_empty_rows_are_refused_by_the_reference(case, backend):
             argmax(empty)
 
 
+@pytest.mark.parametrize("backend", ["native", "auto", "triton"])
+def test_bool_and_complex_logits_are_refused_under_every_backend(backend):
+    """torch.argmax met bool logits with a raw RuntimeError under native and auto, while triton refused them."""
+    for x in (_logits() > 0, _logits().to(torch.complex64)):
+        out = torch.full((x.shape[0],), -1, dtype=torch.int64)
+        with ops.use_backend(backend), pytest.raises(InputError, match=rf"^logits='{x.dtype}"):
+            argmax(x, out=out)
+        assert (out == -1).all()
+
+
 def test_the_reference_takes_what_only_the_kernel_refuses():
     """Logits of none, one or three dims, fp64, int64, strided along V: the reference takes their argmax (under
     `auto` the op falls back to it)."""
