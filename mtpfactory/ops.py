@@ -188,10 +188,10 @@ def use_backend(backend: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def running(backend: str, device: torch.device) -> Iterator[None]:
+def running(backend: str, device: torch.device | str) -> Iterator[None]:
     """Run the enclosed ops under `backend`, with Triton launching on `device` (not the current GPU)."""
     with use_backend(backend), contextlib.ExitStack() as stack:
-        if device.type == "cuda":
+        if torch.device(device).type == "cuda":
             stack.enter_context(torch.cuda.device(device))
         yield
 

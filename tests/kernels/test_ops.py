@@ -175,6 +175,9 @@ def test_use_backend_gives_the_previous_backend_back_on_exit_and_on_error():
     with pytest.raises(ConfigError, match="runtime.backend='cuda': allowed: auto, triton, native"), \
             ops.use_backend("cuda"):
         pass
+    for device in ("cpu", torch.device("cpu")):   # `running` takes a device as torch.device does (a str raised
+        with ops.running("native", device):        # AttributeError)
+            assert ops._backend.get() == "native"
 
 
 def _expanded_outs() -> dict:
