@@ -30,11 +30,11 @@ def _shape_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    context_lens: torch.Tensor, gate: torch.Tensor | None, k_scale: torch.Tensor | None,
                    v_scale: torch.Tensor | None) -> InputError | None:
     """Why no provider can attend with these shapes, or None (the reference's part of
-    `paged_decode_attention_refusal`): q a floating-point [B, q_heads, D]; k_cache [blocks, block_size >= 1, kv_heads >= 1, D], q_heads
-    a multiple of kv_heads; v_cache and the scales ([blocks, block_size, kv_heads]) of k_cache's block_size and
-    kv_heads (and D); block_tables [B, max_blocks] and context_lens [B] of integers (the reference reads the
-    first B rows of longer ones); gate broadcast to q's shape. Caches and scales may differ in their count of blocks: the
-    reference checks the block ids against the fewest."""
+    `paged_decode_attention_refusal`): q a floating-point [B, q_heads, D]; k_cache [blocks, block_size >= 1,
+    kv_heads >= 1, D], q_heads a multiple of kv_heads; v_cache and the scales ([blocks, block_size, kv_heads]) of
+    k_cache's block_size and kv_heads (and D); block_tables [B, max_blocks] and context_lens [B] of integers (the
+    reference reads the first B rows of longer ones); gate broadcast to q's shape. Caches and scales may differ in
+    their count of blocks: the reference checks the block ids against the fewest."""
     if q.dim() != 3 or not q.dtype.is_floating_point:
         return InputError("q", f"{q.dtype} {list(q.shape)}", "a [B, q_heads, D] tensor of floating point, one query "
                           "row a sequence", "view the heads as [B, q_heads, D], in the attention's dtype")

@@ -28,7 +28,7 @@ class UnknownNameError(ConfigError):
 
     def __init__(self, field: str, value: str, known: Iterable[str]) -> None:
         known = sorted(known)
-        lowered = {k.lower(): k for k in known}  # `kv=FP8` is close to `fp8`: compared letter by letter, capitals differ
+        lowered = {k.lower(): k for k in known}  # `kv=FP8` is close to `fp8` (difflib compares capitals apart)
         close = [lowered[c] for c in difflib.get_close_matches(str(value).lower(), list(lowered), n=1)]
         fix = f"did you mean '{close[0]}'?" if close else f"choose one of {', '.join(known)}"
         super().__init__(field, value, f"unknown; known: {', '.join(known) or '(none)'}", fix)

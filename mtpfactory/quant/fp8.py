@@ -30,7 +30,8 @@ def matrix_refusal(w: Tensor, name: str) -> WeightsError | None:
     if w.dtype.itemsize == 1:  # float8 (or packed float4) codes: read without their scales, they are not the weight
         return WeightsError(f"{name}.dtype", w.dtype, "already quantized (8-bit codes, not the weight without their "
                             "scales): quantize a float32, bfloat16, float16 or float64 weight",
-                            "dequantize it first (dequantize_fp8, dequantize_fp8_block), or pass the unquantized weight")
+                            "dequantize it first (dequantize_fp8, dequantize_fp8_block), or pass the unquantized "
+                            "weight")
     return None
 
 
