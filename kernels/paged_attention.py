@@ -302,7 +302,8 @@ def _fp8_held(stages: int) -> int:
 
 
 def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8: bool, num_splits: int | None,
-                    num_stages: int | None, tiles: tuple[int, int, int, int] = _WAVE_TILES) -> tuple[int, int]:
+                    num_stages: int | None, tiles: tuple[int, int, int, int] = _WAVE_TILES, *,
+                    unit_scales: bool = False) -> tuple[int, int]:
     """(splits asked for, stages) where the caller left num_splits or num_stages None, for `programs` (sequences
     x KV heads) a split on `sms` SMs (0, the CPU: 1 split, 3 stages, which the interpreter ignores) and the
     kernel's `tiles` (G_PAD, D_PAD, block_n, num_warps). A split is at least 128 tokens long, and there are at
@@ -311,10 +312,12 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
     A 16-bit or fp32 cache: Triton's 3 stages, the splits rounded up to two programs an SM (rounded down was 2-10%
     slower from 24 sequences). An FP8 cache at `_WAVE_TILES`, whose SMs hold 3 programs at one stage and 2 at
     three (`_fp8_held`): at each depth, the splits rounded down to what its SMs hold; of the two, the grid that
-    fills its last wave best, then the one of fewer waves, then 3 stages. On the H100 sweeps (1 to 320 sequences
-    of 2048, 4096 and 16384 tokens; 44 cases whose pick was timed) its picks were within 5% of the fastest tuning
-    timed in each (geometric mean 1.005x); the default before (one stage, rounded up) 1.14x, up to 1.43x
-    (BENCHMARKS.md's twenty-third run). An FP8 cache at other tiles keeps that default before: its SMs hold
+    fills its last wave best, then the one of fewer waves, then 3 stages with per-token scales and one stage with
+    `unit_scales` (of the 8 such ties timed, one stage was the faster in 6, by up to 5%, and 0.2-0.6% slower in
+    2; with per-token scales 3 stages were 1-3% faster). On the H100 sweeps (1 to 320 sequences of 2048, 4096
+    and 16384 tokens; 46 cases whose pick was timed) the picks were within 5% of the fastest tuning timed in each
+    (geometric mean 1.005x before the unit-scale tie-break); the default before (one stage, rounded up) 1.14x, up
+    to 1.43x (BENCHMARKS.md's twenty-third and twenty-fourth runs). An FP8 cache at other tiles keeps that default before: its SMs hold
     other counts (sm_90 cubins: D 128 4 and 3, D 64 7 and 5, D 512 2 and 2), and no tuning was timed there."""
     if not sms:
         return num_splits or 1, num_stages or _TRITON_STAGES
@@ -334,7 +337,8 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
         waves = triton.cdiv(grid, held)
         return grid / (waves * held), -waves  # equal fractions divide to equal floats (IEEE rounding)
 
-    stages = num_stages or max((_TRITON_STAGES, 1), key=fill)  # a tie keeps the first
+    order = (1, _TRITON_STAGES) if unit_scales else (_TRITON_STAGES, 1)   # a tie keeps the first
+    stages = num_stages or max(order, key=fill)
     return splits_at(_fp8_held(stages) * sms, True), stages
 
 
@@ -550,7 +554,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     max_tokens = max(1, block_tables.shape[1] * bs)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
     splits, num_stages = _default_tuning(sms, b * hkv, max_tokens, block_n, fp8, num_splits, num_stages,
-                                         (g_pad, d_pad, block_n, num_warps))
+                                         (g_pad, d_pad, block_n, num_warps), unit_scales=k_scale is None)
     split_len = _split_len(max_tokens, splits, block_n)
     splits = triton.cdiv(max_tokens, split_len)  # no split left empty for every row
     exact = torch.float32 in (q.dtype, k_cache.dtype)
