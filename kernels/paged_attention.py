@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, check_indices, out_or_empty, out_refusal, write_out
+from mtpfactory.ops import Op, check_indices, number_refusal, out_or_empty, out_refusal, write_out
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
@@ -317,8 +317,9 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
     2; with per-token scales 3 stages were 1-3% faster). On the H100 sweeps (1 to 320 sequences of 2048, 4096
     and 16384 tokens; 46 cases whose pick was timed) the picks were within 5% of the fastest tuning timed in each
     (geometric mean 1.005x before the unit-scale tie-break); the default before (one stage, rounded up) 1.14x, up
-    to 1.43x (BENCHMARKS.md's twenty-third and twenty-fourth runs). An FP8 cache at other tiles keeps that default before: its SMs hold
-    other counts (sm_90 cubins: D 128 4 and 3, D 64 7 and 5, D 512 2 and 2), and no tuning was timed there."""
+    to 1.43x (BENCHMARKS.md's twenty-third and twenty-fourth runs). An FP8 cache at other tiles keeps that default
+    before: its SMs hold other counts (sm_90 cubins: D 128 4 and 3, D 64 7 and 5, D 512 2 and 2), and no tuning
+    was timed there."""
     if not sms:
         return num_splits or 1, num_stages or _TRITON_STAGES
 
@@ -404,9 +405,8 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     written (`check_out`)."""
     if err := _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale):
         return err
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        return InputError("scale", f"{type(scale).__name__} {scale!r}"[:120], "a Python float (the kernel takes it "
-                          "as a number, not a tensor)", "pass float(scale)")
+    if err := number_refusal("scale", scale):
+        return err
     b, hq, d = q.shape
     if q.dtype not in _FLOATS or d > _MAX_D or b > _MAX_SEQS:
         return InputError("q", f"{q.dtype} {list(q.shape)}",

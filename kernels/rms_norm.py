@@ -16,7 +16,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
-from mtpfactory.ops import Op, check_out, out_refusal
+from mtpfactory.ops import Op, check_out, number_refusal, out_refusal
 
 
 def residual_refusal(x: torch.Tensor, residual: torch.Tensor | None,
@@ -140,15 +140,6 @@ def rms_norm_refusal(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
     return None
 
 
-def eps_refusal(eps: float) -> InputError | None:
-    """Why the kernel cannot take `eps`, or None: a Python number (the kernel takes it as a scalar argument; a
-    tensor would reach it as a pointer)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        return InputError("eps", f"{type(eps).__name__} {eps!r}"[:120], "a Python float (the kernel takes it as a "
-                          "number, not a tensor)", "pass float(eps)")
-    return None
-
-
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     residual_out: torch.Tensor | None = None, x_pairs: XPairs | None = None, pdl: bool = False):
@@ -156,7 +147,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     (optional) receives what the NVFP4 GEMV's x pass would write for the norm, viewed as [M, H] (H a multiple
     of 16); `pdl`: the next launch is a programmatic dependent launch (`linear.x_pass_pdl`). Operands as
     `rms_norm_refusal` says."""
-    if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out) or eps_refusal(eps):
+    if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out) or number_refusal("eps", eps):
         raise err
     return rms_norm_launch(x, weight, eps, zero_centred, residual, out, residual_out, x_pairs, pdl)
 
@@ -201,7 +192,7 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
 def _rms_norm_call_refusal(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None):
     """The op's call: `rms_norm_refusal`, and `out` / `residual_out` contiguous (the kernel writes rows H
     apart; `auto` gives others to the reference, which writes any strides)."""
-    if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out) or eps_refusal(eps):
+    if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out) or number_refusal("eps", eps):
         return err
     for field, t in (("out", out), ("residual_out", residual_out)):
         if t is not None and not t.is_contiguous():

@@ -25,9 +25,8 @@ from mtpfactory.kernels.linear_nvfp4 import (
     planned,
     x_pairs_for,
 )
-from mtpfactory.kernels.rms_norm import (_rms_norm_native, eps_refusal, norm_contract, rms_norm_launch,
-                                         rms_norm_refusal)
-from mtpfactory.ops import Op
+from mtpfactory.kernels.rms_norm import _rms_norm_native, norm_contract, rms_norm_launch, rms_norm_refusal
+from mtpfactory.ops import Op, number_refusal
 
 
 def _rms_norm_linear_nvfp4_native(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centred: bool,
@@ -58,7 +57,7 @@ def rms_norm_linear_nvfp4_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps
                                  residual: torch.Tensor | None = None, split_work: bool = True):
     """The Triton provider; the norm's operands (`rms_norm_refusal`) and the NVFP4 ones (`operand_refusal`)
     refused before anything is launched, as the op's predicate refuses them."""
-    if err := (rms_norm_refusal(x, norm_weight, residual, "norm_weight") or eps_refusal(eps)
+    if err := (rms_norm_refusal(x, norm_weight, residual, "norm_weight") or number_refusal("eps", eps)
                or operand_refusal(x, weight, weight_scale, weight_scale_2)):
         raise err
     return _rms_norm_linear_nvfp4(x, norm_weight, eps, zero_centred, weight, weight_scale, weight_scale_2, residual,
@@ -83,7 +82,7 @@ def _rms_norm_linear_nvfp4(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
 
 def _rms_norm_linear_nvfp4_refusal(x, norm_weight, eps, zero_centred, weight, weight_scale, weight_scale_2,
                                    residual=None, split_work=True):
-    return (rms_norm_refusal(x, norm_weight, residual, "norm_weight") or eps_refusal(eps)
+    return (rms_norm_refusal(x, norm_weight, residual, "norm_weight") or number_refusal("eps", eps)
             or operand_refusal(x, weight, weight_scale, weight_scale_2))
 
 

@@ -211,6 +211,15 @@ def triton_can_run(*tensors: torch.Tensor) -> bool:
 _LAYOUTS = {"any": "", "contiguous": "contiguous ", "rows": "row-strided (last dim contiguous) "}
 
 
+def number_refusal(field: str, value: object) -> InputError | None:
+    """Why a kernel cannot take `value` as its scalar argument `field`, or None: a Python int or float (a tensor
+    would reach the kernel as a pointer; a bool is no number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return InputError(field, f"{type(value).__name__} {value!r}"[:120], "a Python float (the kernel takes it as "
+                          "a number, not a tensor)", f"pass float({field})")
+    return None
+
+
 def out_refusal(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                 field: str = "out", layout: str = "any") -> InputError | None:
     """Why an `out=` (or scratch) tensor cannot hold the op's result, or None (also for no `out`): another shape,
