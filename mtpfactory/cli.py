@@ -12,7 +12,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override, ValueType
+from hydra.core.override_parser.types import ValueType
 from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 import mtpfactory
 from mtpfactory import registry
 from mtpfactory.build import weights_seed
-from mtpfactory.config import GROUPS, check_overrides, list_heads, options
+from mtpfactory.config import GROUPS, check_overrides, list_heads, options, value_text
 from mtpfactory.errors import ConfigError, MtpfError
 
 log = logging.getLogger("mtpfactory")
@@ -146,16 +146,10 @@ def _values(arg: str) -> list[str]:
         group = o.key_or_group
         return o.value().filter(options(group)) if group in GROUPS else []
     if o.is_discrete_sweep():
-        return [_as_text(v) for v in o.sweep_iterator()]
+        return [value_text(v) for v in o.sweep_iterator()]
     if o.is_sweep_override():
         return []
-    return [_as_text(o.value())]
-
-
-def _as_text(value: object) -> str:
-    """A parsed value as `check_overrides` reads it: a string as the field will hold it (Hydra's string form
-    escapes it, `${a.b}` becoming `$\\{a.b\\}`, which no int field holds), anything else as Hydra writes it."""
-    return value if isinstance(value, str) else Override._get_value_element_as_str(value)
+    return [value_text(o.value())]
 
 
 # Hydra's options that take the next word as their value (unless written --option=value); --info takes one of

@@ -11,6 +11,8 @@ import typing
 from hydra import compose as _hydra_compose
 from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
 from mtpfactory.config import schema  # noqa: F401  (stores the schemas)
@@ -80,13 +82,16 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
 
 def _dict_entries(override: str) -> list[tuple[str, str]] | None:
     """The (key, value as written) pairs of an override whose value is a dict (`demo={k:5,x:{y:1}}`), or None."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import Override
-
     value = OverridesParser.create().parse_override(override).value()
     if not isinstance(value, dict):
         return None
-    return [(k, v if isinstance(v, str) else Override._get_value_element_as_str(v)) for k, v in value.items()]
+    return [(k, value_text(v)) for k, v in value.items()]
+
+
+def value_text(value: object) -> str:
+    """A parsed override value as `check_overrides` reads it: a string as the field will hold it (Hydra's string
+    form escapes it, `${a.b}` becoming `$\\{a.b\\}`, which no int field holds), anything else as Hydra writes it."""
+    return value if isinstance(value, str) else Override._get_value_element_as_str(value)
 
 
 def _plain_key_refusal(key: str, value: str) -> ConfigError | None:
