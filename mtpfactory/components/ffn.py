@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 from mtpfactory import kernels as K
-from mtpfactory.components.linear import Linear
-from mtpfactory.errors import WeightsError
-from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
+from mtpfactory.components.linear import Linear, nvfp4_k_refusal
+from mtpfactory.quant import dequantize_nvfp4
 
 log = logging.getLogger(__name__)
 PROGRESS_EVERY = 128
@@ -71,10 +70,9 @@ class ExpertsNVFP4(nn.Module):
         """Quantize stacked experts one projection at a time, reporting progress every 128 experts."""
         e, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
         for name, k in (("gate_proj", w_gate_up.shape[2]), ("down_proj", w_down.shape[2])):  # K: hidden, inter
-            if k % NVFP4_BLOCK:
-                raise WeightsError(f"{prefix}0.{name}.weight.shape[1]", k, "NVFP4 stores blocks of 16 along K, so "
-                                   "each expert's K must be a multiple of 16",
-                                   "keep the experts unquantized: levers.experts_nvfp4=false")
+            if err := nvfp4_k_refusal(f"{prefix}0.{name}.weight.shape[1]", k,
+                                      "keep the experts unquantized: levers.experts_nvfp4=false"):
+                raise err
         parts: list[list[tuple[torch.Tensor, ...]]] = [[], [], []]
         for i in range(e):
             for j, (w, name) in enumerate(((w_gate_up[i, :inter], "gate_proj"), (w_gate_up[i, inter:], "up_proj"),

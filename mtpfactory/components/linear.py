@@ -89,6 +89,14 @@ class LinearNVFP4(Linear):
         return logits, y
 
 
+def nvfp4_k_refusal(field: str, k: int, fix: str) -> WeightsError | None:
+    """Why a weight of `k` columns cannot be stored NVFP4, naming the setting that stores it otherwise, or None."""
+    if k % NVFP4_BLOCK:
+        return WeightsError(field, k, f"NVFP4 stores blocks of {NVFP4_BLOCK} along K, so K must be a multiple of "
+                            f"{NVFP4_BLOCK}", fix)
+    return None
+
+
 def make_linear(weight: torch.Tensor, fmt: str, dtype: torch.dtype, name: str = "",
                 split_work: bool = True) -> Linear:
     """Store `weight` ([out, in], as loaded) in `fmt`: unquantized in `dtype`, or quantized from it."""
@@ -96,9 +104,8 @@ def make_linear(weight: torch.Tensor, fmt: str, dtype: torch.dtype, name: str = 
     if fmt == "fp8":
         return LinearFP8(*K.quantize_fp8(weight, tensor), name=name, split_work=split_work)
     if fmt == "nvfp4":
-        if weight.shape[1] % NVFP4_BLOCK:
-            raise WeightsError(f"{tensor}.shape[1]", weight.shape[1], "NVFP4 stores blocks of 16 along K, so K must "
-                               "be a multiple of 16", "store this projection otherwise: quant=fp8 or bf16 (for the "
-                               "LM head, quant.lm_head=fp8 or bf16)")
+        if err := nvfp4_k_refusal(f"{tensor}.shape[1]", weight.shape[1], "store this projection otherwise: quant=fp8 "
+                                  "or bf16 (for the LM head, quant.lm_head=fp8 or bf16)"):
+            raise err
         return LinearNVFP4(*K.quantize_nvfp4(weight, tensor), name=name, split_work=split_work)
     return Linear(weight.to(dtype), name, split_work)
