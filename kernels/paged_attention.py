@@ -293,6 +293,10 @@ def _split_len(max_tokens: int, splits: int, block_n: int) -> int:
 _WAVE_TILES = (16, 256, 32, 4)
 
 
+_BF16_HELD = 3            # programs an SM holds of the 16-bit kernel at _WAVE_TILES, tf32 dots, 3 stages (156 registers)
+_MIN_SPLIT_TOKENS = 256  # the shortest split the 16-bit rounding down takes (192 was 1.07x slower than 256: 8 x 4096)
+
+
 def _fp8_held(stages: int) -> int:
     """Programs an SM holds of the FP8 kernel at `_WAVE_TILES`, by pipeline depth: 3 at one stage, 2 at three.
     Read off the H100 sweeps' waves (BENCHMARKS.md's twenty-third run) and what the sm_90 cubins allow
@@ -303,14 +307,18 @@ def _fp8_held(stages: int) -> int:
 
 def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8: bool, num_splits: int | None,
                     num_stages: int | None, tiles: tuple[int, int, int, int] = _WAVE_TILES, *,
-                    unit_scales: bool = False) -> tuple[int, int]:
+                    unit_scales: bool = False, tf32_16bit: bool = False) -> tuple[int, int]:
     """(splits asked for, stages) where the caller left num_splits or num_stages None, for `programs` (sequences
     x KV heads) a split on `sms` SMs (0, the CPU: 1 split, 3 stages, which the interpreter ignores) and the
     kernel's `tiles` (G_PAD, D_PAD, block_n, num_warps). A split is at least 128 tokens long, and there are at
     most 64 (one sequence of 4096 tokens on an H100: 32 splits 19.5 us, 16 splits of 256 tokens 25.4).
 
-    A 16-bit or fp32 cache: Triton's 3 stages, the splits rounded up to two programs an SM (rounded down was 2-10%
-    slower from 24 sequences). An FP8 cache at `_WAVE_TILES`, whose SMs hold 3 programs at one stage and 2 at
+    A 16-bit or fp32 cache: Triton's 3 stages, the splits rounded up to two programs an SM (rounded down to two was
+    2-10% slower from 24 sequences). At `_WAVE_TILES` with a 16-bit q and cache and tf32 dots (`tf32_16bit`, the
+    heads' BF16 kernel: 156 registers, so 3 programs an SM), rounded down to those 3 where a split keeps at least
+    `_MIN_SPLIT_TOKENS` (on the H100 sweeps of 2 to 96 sequences of 4096 and 16384 tokens, 16 cases where the two
+    differ: up to 1.11x faster, and 2% slower at 4 sequences of 16384; splits of 192 tokens were 1.07x slower at 8
+    sequences of 4096: BENCHMARKS.md's twenty-fourth and twenty-fifth runs). An FP8 cache at `_WAVE_TILES`, whose SMs hold 3 programs at one stage and 2 at
     three (`_fp8_held`): at each depth, the splits rounded down to what its SMs hold; of the two, the grid that
     fills its last wave best, then the one of fewer waves, then 3 stages with per-token scales and one stage with
     `unit_scales` (of the 8 such ties timed, one stage was the faster in 6, by up to 5%, and 0.2-0.6% slower in
@@ -329,6 +337,10 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
         want = held // programs if down else -(-held // programs)
         return max(1, min(want, max_tokens // max(128, block_n), 64))
 
+    if not fp8 and tf32_16bit and tiles == _WAVE_TILES and num_stages in (None, _TRITON_STAGES):
+        down = splits_at(_BF16_HELD * sms, True)
+        if _split_len(max_tokens, down, block_n) >= _MIN_SPLIT_TOKENS:
+            return down, _TRITON_STAGES
     if not fp8 or tiles != _WAVE_TILES:
         return splits_at(2 * sms, False), num_stages or (1 if fp8 else _TRITON_STAGES)
 
@@ -553,12 +565,13 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_n = _default_block_n(k_cache, d_pad) if block_n is None else block_n
     max_tokens = max(1, block_tables.shape[1] * bs)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
-    splits, num_stages = _default_tuning(sms, b * hkv, max_tokens, block_n, fp8, num_splits, num_stages,
-                                         (g_pad, d_pad, block_n, num_warps), unit_scales=k_scale is None)
-    split_len = _split_len(max_tokens, splits, block_n)
-    splits = triton.cdiv(max_tokens, split_len)  # no split left empty for every row
     exact = torch.float32 in (q.dtype, k_cache.dtype)
     dot_dtype = _dot_dtype(q, k_cache, fast_dot)
+    splits, num_stages = _default_tuning(sms, b * hkv, max_tokens, block_n, fp8, num_splits, num_stages,
+                                         (g_pad, d_pad, block_n, num_warps), unit_scales=k_scale is None,
+                                         tf32_16bit=not exact and dot_dtype == tl.float32)
+    split_len = _split_len(max_tokens, splits, block_n)
+    splits = triton.cdiv(max_tokens, split_len)  # no split left empty for every row
     if splits > 1:
         pacc = torch.empty(b, hkv, splits, g_pad, d_pad, dtype=torch.float32, device=q.device)
         pm = torch.empty(b, hkv, splits, g_pad, dtype=torch.float32, device=q.device)

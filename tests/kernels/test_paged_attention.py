@@ -659,10 +659,33 @@ TUNINGS = [
 @pytest.mark.parametrize("sequences, fp8_pick, bf16_pick", TUNINGS)
 def test_default_tuning_fills_the_waves(sequences, fp8_pick, bf16_pick):
     """An FP8 cache: of one stage (3 programs an SM) and three (2), with the splits rounded down to each, the grid
-    that fills its last wave best, then fewer waves, then 3 stages; a 16-bit cache: 3 stages, the splits rounded
-    up to two programs an SM."""
+    that fills its last wave best, then fewer waves, then 3 stages; a 16-bit cache outside the heads' kernel (fp32
+    dots in "ieee" or 16-bit ones, or other tiles): 3 stages, the splits rounded up to two programs an SM."""
     assert _default_tuning(132, 2 * sequences, 4096, 32, True, None, None) == fp8_pick
     assert _default_tuning(132, 2 * sequences, 4096, 32, False, None, None) == bf16_pick
+
+
+@pytest.mark.parametrize("sequences, tokens, pick", [
+    (2, 4096, (32, 3)),      # 4096 tokens hold 32 splits of 128 either way
+    (8, 4096, (17, 3)),      # 396 / 16 = 24 splits of 192 tokens, under 256: rounded up to 264 (16 run)
+    (12, 4096, (16, 3)),     # 396 / 24 = 16 splits of 256: 384 programs (rounded up: 11)
+    (24, 4096, (8, 3)),      # 81.57 us against 6 splits' 87.24 (H100)
+    (48, 4096, (4, 3)),      # 148.84 against 3 splits' 165.84
+    (128, 4096, (1, 3)),     # 256 programs of one split (rounded up: 2)
+    (4, 16384, (49, 3)),     # 47 splits of 352 tokens run
+    (8, 16384, (24, 3)),     # 104.89 us against 17 splits' 112.65
+    (12, 16384, (16, 3)),
+])
+def test_default_tuning_of_the_16_bit_kernel_rounds_down_to_3_programs_an_sm(sequences, tokens, pick):
+    """A 16-bit q and cache with tf32 dots at _WAVE_TILES (3 programs an SM): the splits rounded down to 396 places
+    where a split keeps 256 tokens, else rounded up to 264 as for the other kernels; a depth given other than 3
+    keeps the rule before, whose SMs hold other counts."""
+    assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, None, tf32_16bit=True) == pick
+    assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, 3, tf32_16bit=True) == pick
+    before = _default_tuning(132, 2 * sequences, tokens, 32, False, None, None)
+    assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, 1, tf32_16bit=True) == (before[0], 1)
+    other = (16, 128, 32, 4)
+    assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, None, other, tf32_16bit=True) == before
 
 
 @pytest.mark.parametrize("sequences, tokens, tie", [(16, 4096, (12, 1)), (32, 4096, (6, 1)), (56, 4096, (3, 1)),
@@ -706,6 +729,18 @@ def test_the_launcher_passes_its_tiles_to_the_default_tuning(monkeypatch):
         paged_decode_attention_triton(*args, num_warps=warps)
     assert seen == [(pa._WAVE_TILES, True), (pa._WAVE_TILES, False), ((16, 128, 32, 4), True),
                     ((16, 256, 32, 8), True)]
+
+
+def test_the_launcher_says_which_16_bit_calls_run_the_heads_kernel(monkeypatch):
+    """tf32_16bit: a 16-bit q and cache with fp32 dots (tf32), the kernel whose 3 programs an SM the 16-bit rounding
+    down counts; an fp32 q or cache runs "ieee" dots, another kernel."""
+    import mtpfactory.kernels.paged_attention as pa
+    seen = []
+    monkeypatch.setattr(pa, "_default_tuning", lambda *a, **k: seen.append(k["tf32_16bit"]) or (1, 3))
+    for kv, q_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("bf16", torch.float32),
+                        ("fp32", torch.bfloat16)):
+        paged_decode_attention_triton(*make_case(1, 16, 2, 256, 16, [40], kv, q_dtype))
+    assert seen == [True, True, False, False]
 
 
 def test_default_tuning_keeps_128_tokens_a_split_and_at_most_64():
