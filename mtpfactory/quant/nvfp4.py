@@ -90,7 +90,8 @@ def dequantize_nvfp4(weight: Tensor, weight_scale: Tensor, weight_scale_2: Tenso
     """`E2M1_VALUES[code] * weight_scale * weight_scale_2` [N, K], in fp32, returned as `dtype`.
 
     `value * scale` is exact in fp32 (at most 2 + 4 significant bits), so each element is the correctly
-    rounded fp32 of the product; quantizing the result gives back the same codes and scales.
+    rounded fp32 of the product; quantizing the result gives back the same codes and scales where every block's
+    E4M3 scale is normal (a subnormal one may round its block's amax / 6 to 0 and be stored again as scale 1).
     """
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] % (NVFP4_BLOCK // 2):
         raise WeightsError(name, f"{weight.dtype} {tuple(weight.shape)}",
