@@ -53,19 +53,12 @@ def checked_fp32(w: Tensor, name: str) -> Tensor:
 
 def scale_refusal(name: str, scale: object) -> WeightsError | None:
     """Why `scale` cannot be read as scale values, or None: a floating-point tensor (an integer or bool one, or an
-    int32 view of an fp32 table, would be read as its bytes' numbers; a Python number has no shape to check) with
-    no negative value (the quantizers make none; one would flip its block's signs)."""
+    int32 view of an fp32 table, would be read as its bytes' numbers; a Python number has no shape to check)."""
     if not isinstance(scale, Tensor) or not scale.is_floating_point():
         got = f"{scale.dtype} {tuple(scale.shape)}" if isinstance(scale, Tensor) else type(scale).__name__
         return WeightsError(name, got, "a floating-point tensor of the scale values, as the checkpoint stores them",
                             f"pass the checkpoint's {name} as stored (its raw bytes: .view(torch.float32), or "
                             ".view(torch.float8_e4m3fn) for E4M3 bytes)")
-    below = scale.float() < 0                                        # torch compares no float8 tensor
-    if negative := int(below.sum()):
-        first = scale.float()[below][0].item()
-        return WeightsError(name, f"{negative} negative values (first {first:g})",
-                            "scales are amax / qmax, never negative: a negative one would flip the signs of the values it scales",
-                            f"check that {name} is the checkpoint's own scale, read with its stored dtype")
     return None
 
 
