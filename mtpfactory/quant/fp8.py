@@ -53,7 +53,10 @@ def checked_fp32(w: Tensor, name: str) -> Tensor:
 
 def scale_refusal(name: str, scale: object) -> WeightsError | None:
     """Why `scale` cannot be read as scale values, or None: a floating-point tensor (an integer or bool one, or an
-    int32 view of an fp32 table, would be read as its bytes' numbers; a Python number has no shape to check)."""
+    int32 view of an fp32 table, would be read as its bytes' numbers; a Python number has no shape to check).
+    Values are not checked: a negative scale, which no quantizer here makes, negates what it scales, as every
+    kernel reads it (the ops' references dequantize through here, and their tests decode all 254 finite E4M3 scale
+    bytes, negative ones included)."""
     if not isinstance(scale, Tensor) or not scale.is_floating_point():
         got = f"{scale.dtype} {tuple(scale.shape)}" if isinstance(scale, Tensor) else type(scale).__name__
         return WeightsError(name, got, "a floating-point tensor of the scale values, as the checkpoint stores them",
