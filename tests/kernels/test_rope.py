@@ -95,6 +95,22 @@ def test_strided_positions_and_out_which_every_provider_takes(backend):
                 rope_neox(x, positions, inv_freq, out=bad)
 
 
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_out_whose_heads_lie_further_apart_than_a_row(backend):
+    """`out` a [N, heads, D] view of a poisoned [heads, N, D] buffer: a head's row lies N * D elements past the
+    previous head's, not D (the fused-QKV `out` above has heads exactly D apart, so a kernel stepping heads by
+    D passed it). Partial rotation with an odd tail, so the pass-through stores step by the same stride."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 3, 13, generator=gen).to(torch.bfloat16)
+    positions, inv_freq = torch.tensor([0, 3, 77, 4096, 9]), rope_inv_freq(8, 10_000.0)
+    buf = torch.full((3, 5, 13), float("nan"), dtype=torch.bfloat16)
+    out = buf.transpose(0, 1)
+    assert out.stride(1) == 5 * 13
+    with ops.use_backend(backend):
+        assert rope_neox(x, positions, inv_freq, out=out) is out
+    assert_matches(out, rope_neox.reference(x, positions, inv_freq), x, 8)
+
+
 def _ops():
     """x [3, 2, 12] fp32, positions [3] int64, inv_freq for rotary_dim 8: operands the kernel takes."""
     return torch.randn(3, 2, 12, generator=torch.Generator().manual_seed(8)), torch.arange(3), rope_inv_freq(8, 1e4)
