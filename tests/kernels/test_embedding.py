@@ -75,6 +75,20 @@ def test_strided_ids_and_out_which_every_provider_takes(backend):
                 embedding(ids, table, out=bad)
 
 
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_out_whose_columns_lie_apart(backend):
+    """`out` the transpose of a poisoned [H, N] buffer: its columns lie N apart (the column slice above has unit
+    stride along H, so a kernel that ignored out's column stride passed it; on the GPU only the 2^31 test
+    reached another stride). bf16 so the copy goes through 16-bit ints."""
+    table = torch.randn(10, 7, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    ids = torch.tensor([3, 9, 0, 3, 5])
+    buf = torch.full((7, 5), float("nan"), dtype=torch.bfloat16)
+    out = buf.T
+    with ops.use_backend(backend):
+        assert embedding(ids, table, out=out) is out
+    assert bits_equal(out, embedding.reference(ids, table))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [-1, 5, 2**40])
 def test_id_out_of_range_refused_by_the_reference_and_a_zero_row_from_the_kernel(bad, device):
