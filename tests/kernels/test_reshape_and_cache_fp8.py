@@ -134,6 +134,38 @@ def test_triton_strided_inputs_and_int32_slots():
     _assert_same(_run("triton", *args), _run("native", *args))
 
 
+def _kv_views(nb: int, bs: int, h: int, d: int):
+    """K and V caches as the two halves of one poisoned head-major [nb, 2, h, bs, d] K|V buffer viewed as [nb,
+    bs, h, d], and their scales as the two halves of one [nb, bs, h, 2] buffer: (buffer, k_cache, v_cache,
+    scale buffer, k_scale, v_scale), no stride but D's the contiguous one (blocks 2 * h * bs * d apart, slots
+    d, heads bs * d; scales' heads 2 apart)."""
+    buf = torch.full((nb, 2, h, bs, d), NAN_CODE, dtype=torch.uint8).view(FP8)
+    sbuf = torch.full((nb, bs, h, 2), float("nan"))
+    return buf, buf[:, 0].transpose(1, 2), buf[:, 1].transpose(1, 2), sbuf, sbuf[..., 0], sbuf[..., 1]
+
+
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_strided_caches_scales_and_rows_strided_along_d(backend):
+    """The provider takes any strides: k and v every other element of a row (stride 2 along D), the caches the
+    K and V halves of one head-major [blocks, 2, kv_heads, block_size, D] buffer, the scales the halves of one [..., 2]
+    buffer. The other tests' caches and scales are contiguous and their rows have unit stride along D, so a
+    kernel that stepped D, heads or scales by the contiguous strides passed them. Compared bit for bit, poison
+    included, with the reference writing into the same views of its own buffers."""
+    gen = torch.Generator().manual_seed(15)
+    n, h, d = 5, 3, 12
+    wide = torch.randn(n, h, 2 * d, generator=gen) * torch.exp2(torch.randint(-6, 7, (n, h, 1), generator=gen))
+    k, v = wide[..., ::2], wide[..., 1::2]
+    assert k.stride(2) == 2
+    slots = torch.tensor([7, -1, 0, 12, -10])  # slots 7, 15, 0, 12, 6 of 16
+    got, want = _kv_views(4, 4, h, d), _kv_views(4, 4, h, d)
+    with ops.use_backend(backend):
+        reshape_and_cache_fp8(k, v, got[1], got[2], slots, got[4], got[5])
+    reshape_and_cache_fp8.reference(k, v, want[1], want[2], slots, want[4], want[5])
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[3].view(torch.int32), want[3].view(torch.int32))
+    assert not want[3][1, 3].isnan().any() and want[3][0, 1].isnan().all()   # slot 7 written, slot 1 poison
+
+
 def test_triton_heads_further_apart_than_int32_indexes_are_read_right():
     """k's heads 2^30 elements apart (head 2 at 2^31): the kernel reads a head at h * stride in int64, not at a
     wrapped int32 offset (2^32 elements before k). The 8 GiB behind k are only reserved; a head's 16 values and
