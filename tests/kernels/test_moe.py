@@ -189,6 +189,27 @@ def test_route_triton_matches_reference(n, e, k, renormalize, dtype):
     torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_triton_strided_and_very_negative_logits(dtype):
+    """Logits a column slice of a wider [N, E + 3] tensor (rows E + 3 apart: the kernel steps rows by their
+    stride, which no other routing test makes differ from E), E = 9 (seven padding lanes in the kernel's
+    block of 16), every logit near -1000. Softmax is shift-invariant, so the weights are those of the
+    logits + 1000: a padding lane read as 0 into the row's max would underflow every exp to 0 and give NaN."""
+    gen = torch.Generator().manual_seed(21)
+    n, e, k = 5, 9, 3
+    wide = (torch.randn(n, e + 3, generator=gen) - 1000.0).to(dtype)
+    logits = wide[:, :e]
+    assert logits.stride(0) == e + 3
+    want_weights, want_ids = moe.moe_route_softmax(logits, k, False)
+    assert bool(want_weights.isfinite().all()) and bool((want_weights > 0).all())
+    out = (torch.full((n, k), float("nan")), torch.full((n, k), -7, dtype=torch.int64))
+    with ops.use_backend("triton"):
+        weights, ids = moe.moe_route_softmax(logits, k, False, out=out)
+    assert weights is out[0] and ids is out[1]
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
+
+
 NAN, INF = float("nan"), float("inf")
 # [N, E 5] router logits with NaN and infinities (E 5 leaves three padding lanes in the kernel's block of 8):
 # the reference's stable descending sort puts NaN first (lowest id first among NaNs), then +inf, ..., -inf;
