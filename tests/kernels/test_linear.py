@@ -112,6 +112,20 @@ def test_strided_input_and_output(m):
     assert_matches(out_t.T, ref, abs_sum)
 
 
+@pytest.mark.parametrize("m", [1, 3, 17])                     # GEMV, FMA rows, tl.dot
+def test_input_strided_along_k(m):
+    """x every other column of a wider activation (stride 2 along K; x takes any strides): the slice above has
+    unit stride along K, so a kernel that stepped x's K by 1 passed it. Every explicit plan's path
+    (`explicit_plans`)."""
+    x_wide, w = make_inputs(m, 33, 96, torch.bfloat16, seed=7)
+    x = x_wide[:, ::2]
+    w = w[:, :48].contiguous()
+    assert x.stride(1) == 2
+    for plan in explicit_plans(m, 33, 48):
+        with ops.use_backend("triton"):
+            check(x, w, plan=plan)
+
+
 def test_out_rows_further_apart_than_int32_indexes_are_written_right():
     """The kernels index out in int32 (row * stride): an out whose rows lie 2^30 elements apart (row 2 at 2^31)
     is written through a contiguous stand-in and copied in, not at a wrapped offset (2^32 elements before out:
