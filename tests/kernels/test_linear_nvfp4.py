@@ -206,6 +206,38 @@ def test_x_pass_scales_and_pairs_x(x_scale):
         assert torch.equal(pairs[row], want_pairs)
 
 
+def test_x_pass_takes_each_slices_own_exponent_from_x_strided_along_k():
+    """The x pass on x [2, 48] read every other element of a wider row (stride 2 along K), in slices of 32,
+    the last slice's values 2^10 times the first's: each slice's exponent comes from its own elements only
+    (a scan running on to K gives the first slice the last one's, 10 less, which the test above, whose slices
+    are alike, cannot tell), and its pairs bit for bit as `x_pass_reference` makes them."""
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn(2, 96, generator=gen) * torch.where(torch.arange(96) < 64, 1.0, 2.0**10)
+    x = wide.to(torch.bfloat16)[:, ::2]
+    pairs = torch.full((2, 24), -1, dtype=torch.int32)
+    exps = torch.full((2, 2), -1, dtype=torch.int32)
+    linear_nvfp4_module._x_f16_pairs_kernel[(2, 2)](x, pairs, exps, 48, 32, x.stride(0), x.stride(1), BLOCK=16,
+                                                    USE_ASM=False, PDL=False)
+    for row in range(2):
+        want_exps, want_pairs = x_pass_reference(x[row], 32)
+        assert want_exps[0] - want_exps[1] >= 8
+        assert torch.equal(exps[row], want_exps)
+        assert torch.equal(pairs[row], want_pairs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_x_strided_along_k(m, dtype):
+    """x every other column of a wider activation (x takes any strides; the other tests' x has unit stride
+    along K), on the explicit plans' paths: the fp32 GEMV and the fp16-sum GEMV (M = 1), and the dots."""
+    _, *w = nvfp4_inputs(m, 33, 48, dtype, seed=9)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)).to(dtype)[:, ::2]
+    assert x.stride(1) == 2
+    with ops.use_backend("triton"):
+        for plan in explicit_plans(m, 33, 48, first_block_k=32, fma_m=False):
+            check(x, *w, plan=plan)
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("k", [208, 192, 224])
