@@ -172,6 +172,20 @@ def test_route_reference_ties_to_lower_id(n, e, k, renormalize):
     torch.testing.assert_close(weights.double(), want_weights, rtol=0, atol=1e-6)
 
 
+def check_route_triton(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton routing into poisoned outs equals the reference (ids exactly, weights within 1e-6); returns the
+    reference's (weights, ids)."""
+    n = logits.shape[0]
+    want_weights, want_ids = moe.moe_route_softmax(logits, k, renormalize)
+    out = (torch.full((n, k), float("nan")), torch.full((n, k), -7, dtype=torch.int64))
+    with ops.use_backend("triton"):
+        weights, ids = moe.moe_route_softmax(logits, k, renormalize, out=out)
+    assert weights is out[0] and ids is out[1]
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
+    return want_weights, want_ids
+
+
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("n,e,k", [(1, 4, 1), (3, 9, 2), (17, 9, 3), (17, 4, 2), (3, 512, 10)])
@@ -180,13 +194,7 @@ def test_route_triton_matches_reference(n, e, k, renormalize, dtype):
     logits = tied_logits(n, e, gen)
     logits[0] = torch.randn(e, generator=gen)             # one row of distinct values
     logits = logits.to(dtype)
-    want_weights, want_ids = moe.moe_route_softmax(logits, k, renormalize)
-    out = (torch.full((n, k), float("nan")), torch.full((n, k), -7, dtype=torch.int64))
-    with ops.use_backend("triton"):
-        weights, ids = moe.moe_route_softmax(logits, k, renormalize, out=out)
-    assert weights is out[0] and ids is out[1]
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
+    check_route_triton(logits, k, renormalize)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -200,14 +208,8 @@ def test_route_triton_strided_and_very_negative_logits(dtype):
     wide = (torch.randn(n, e + 3, generator=gen) - 1000.0).to(dtype)
     logits = wide[:, :e]
     assert logits.stride(0) == e + 3
-    want_weights, want_ids = moe.moe_route_softmax(logits, k, False)
+    want_weights, _ = check_route_triton(logits, k, False)
     assert bool(want_weights.isfinite().all()) and bool((want_weights > 0).all())
-    out = (torch.full((n, k), float("nan")), torch.full((n, k), -7, dtype=torch.int64))
-    with ops.use_backend("triton"):
-        weights, ids = moe.moe_route_softmax(logits, k, False, out=out)
-    assert weights is out[0] and ids is out[1]
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
 
 
 NAN, INF = float("nan"), float("inf")
