@@ -293,8 +293,8 @@ def _split_len(max_tokens: int, splits: int, block_n: int) -> int:
 _WAVE_TILES = (16, 256, 32, 4)
 
 
-_BF16_HELD = 3            # programs an SM holds of the 16-bit kernel at _WAVE_TILES, tf32 dots, 3 stages (156 registers)
-_MIN_SPLIT_TOKENS = 256  # the shortest split the 16-bit rounding down takes (192 was 1.07x slower than 256: 8 x 4096)
+_BF16_HELD = 3           # programs an SM holds of the 16-bit kernel at _WAVE_TILES, tf32 dots, 3 stages (156 regs)
+_MIN_SPLIT_TOKENS = 256  # the shortest split the 16-bit rounding down takes (192 was 1.07x slower: 8 x 4096)
 
 
 def _fp8_held(stages: int) -> int:
@@ -316,13 +316,16 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
     A 16-bit or fp32 cache: Triton's 3 stages, the splits rounded up to two programs an SM (rounded down to two was
     2-10% slower from 24 sequences). At `_WAVE_TILES` with a 16-bit q and cache and tf32 dots (`tf32_16bit`, the
     heads' BF16 kernel: 156 registers, so 3 programs an SM), rounded down to those 3 where a split keeps at least
-    `_MIN_SPLIT_TOKENS` (on the H100 sweeps of 2 to 96 sequences of 4096 and 16384 tokens, 16 cases where the two
-    differ: up to 1.11x faster, and 2% slower at 4 sequences of 16384; splits of 192 tokens were 1.07x slower at 8
-    sequences of 4096: BENCHMARKS.md's twenty-fourth and twenty-fifth runs). An FP8 cache at `_WAVE_TILES`, whose SMs hold 3 programs at one stage and 2 at
-    three (`_fp8_held`): at each depth, the splits rounded down to what its SMs hold; of the two, the grid that
-    fills its last wave best, then the one of fewer waves, then 3 stages with per-token scales and one stage with
-    `unit_scales` (of the 8 such ties timed, one stage was the faster in 6, by up to 5%, and 0.2-0.6% slower in
-    2; with per-token scales 3 stages were 1-3% faster). On the H100 sweeps (1 to 320 sequences of 2048, 4096
+    `_MIN_SPLIT_TOKENS`: on the H100 sweeps of 2 to 96 sequences of 4096 and 16384 tokens, of the 8 timed cases
+    where that rule and the one before differ, 6 were faster (by up to 1.11x), one a tie and one 2% slower (4
+    sequences of 16384); 8 sequences of 4096, whose splits would be 192 tokens, were 1.07x slower rounded down
+    (BENCHMARKS.md's twenty-fourth and twenty-fifth runs).
+
+    An FP8 cache at `_WAVE_TILES`, whose SMs hold 3 programs at one stage and 2 at three (`_fp8_held`): at each
+    depth, the splits rounded down to what its SMs hold; of the two, the grid that fills its last wave best, then
+    the one of fewer waves, then 3 stages with per-token scales and one stage with `unit_scales` (of the 8 such
+    ties timed, one stage was the faster in 6, by up to 5%, and 0.2-0.6% slower in 2; with per-token scales 3
+    stages were 1-3% faster). On the H100 sweeps (1 to 320 sequences of 2048, 4096
     and 16384 tokens; 46 cases whose pick was timed) the picks were within 5% of the fastest tuning timed in each
     (geometric mean 1.005x before the unit-scale tie-break); the default before (one stage, rounded up) 1.14x, up
     to 1.43x (BENCHMARKS.md's twenty-third and twenty-fourth runs). An FP8 cache at other tiles keeps that default
