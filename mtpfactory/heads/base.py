@@ -186,6 +186,8 @@ def _int_rows(name: str, value, fix: str, batch: int | None = None) -> torch.Ten
     if t.dim() != 1 or t.dtype not in INT_DTYPES or t.numel() == 0 or (batch is not None and t.numel() != batch):
         raise InputError(name, f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}",
                          f"a non-empty 1-D integer tensor{f' of {batch} rows' if batch else ''}", fix)
+    if t.dtype == torch.uint64 and bool((t.view(torch.int64) < 0).any()):   # past 2^63: int64 would wrap it
+        raise InputError(name, max(t.tolist()), f"at most {torch.iinfo(torch.int64).max} (int64)", fix)
     return t
 
 

@@ -460,6 +460,21 @@ def test_small_integer_tokens_and_positions_mean_what_int64_does(head, ref, dtyp
     assert torch.equal(got, want) and state(head, 1)[:2] == state(ref, 1)[:2] == (0, 130)
 
 
+def test_uint64_values_past_int64_are_refused_at_their_own_value(head):
+    """A uint64 id past 2^63 was widened to a negative int64 and reported at that wrapped value."""
+    prefill(head, 1, rows(4, 1))
+    snap = snapshot(head)
+    t, h = rows(1, 2)
+    big = torch.tensor([2**63 + 5], dtype=torch.uint64)
+    calls = {"seq_ids": lambda: head.step(big, t, h, torch.tensor([4])),
+             "tokens": lambda: head.step(torch.tensor([1]), big, h, torch.tensor([4])),
+             "positions": lambda: head.step(torch.tensor([1]), t, h, big)}
+    for field, call in calls.items():
+        with pytest.raises(mtpfactory.InputError, match=f"^{field}=9223372036854775813: at most 9223372036854775807"):
+            call()
+    assert_unchanged(head, snap)
+
+
 def test_malformed_ids_and_k_are_refused_naming_the_argument(head):
     prefill(head, 1, rows(4, 1))
     snap = snapshot(head)
