@@ -266,6 +266,35 @@ def test_triton_strided_context_lens_and_column_major_block_tables():
     torch.testing.assert_close(run_triton(*args), run_native(*args), **TOL[torch.bfloat16])
 
 
+def _laid_out(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """t's values in a view of t's shape whose dims lie in memory in `order` (outermost first), each element
+    followed by a NaN along the innermost: every stride differs from t's and from a contiguous tensor's."""
+    shape = [t.shape[i] for i in order]
+    store = torch.full((*shape[:-1], 2 * shape[-1]), float("nan"), dtype=t.dtype)  # FP8: 0x7F, its NaN
+    view = store[..., ::2].permute(*sorted(range(t.dim()), key=order.__getitem__))
+    return view.copy_(t)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("kv, q_dtype", [("fp8_scaled", torch.bfloat16), ("fp32", torch.float32)])
+def test_triton_reads_and_writes_every_operand_by_its_own_strides(kv, q_dtype, num_splits):
+    """The provider takes any strides: q, gate and out, the K and V caches and the K and V scales each laid
+    out in another order of dims (no two alike, none contiguous, a NaN between neighbours along the innermost):
+    an operand read by another's strides, or by a unit stride along D, reads NaN or other values. out's NaN
+    gaps stay unwritten. Both stores: the split kernel's (one split) and the reduce's (two)."""
+    q, k, v, tables, lens, scale, gate, ks, vs = make_case(3, 6, 2, 24, 5, [13, 1, 22], kv, q_dtype, seed=8)
+    want = run_native(q, k, v, tables, lens, scale, gate, ks, vs)
+    q, gate = _laid_out(q, (0, 2, 1)), _laid_out(gate, (1, 0, 2))
+    k, v = _laid_out(k, (0, 1, 3, 2)), _laid_out(v, (2, 0, 1, 3))
+    if ks is not None:
+        ks, vs = _laid_out(ks, (0, 2, 1)), _laid_out(vs, (2, 0, 1))
+    out = _laid_out(torch.full_like(q, float("nan")), (2, 0, 1))
+    got = paged_decode_attention_triton(q, k, v, tables, lens, scale, gate, ks, vs, out=out, num_splits=num_splits)
+    assert got is out
+    torch.testing.assert_close(out, want, **TOL[q_dtype])
+    assert out.as_strided((out.numel(),), (2,), out.storage_offset() + 1).isnan().all()  # the gaps
+
+
 @pytest.mark.parametrize("backend", ["triton", "native"])
 def test_output_in_q_dtype_whatever_the_gate_and_out_which_every_provider_takes(backend):
     """A bf16 q with an fp32 gate gives bf16 from every provider (the reference's product would promote);
