@@ -370,6 +370,22 @@ def test_block_id_out_of_range_refused_by_the_reference_and_its_tokens_dropped_b
     torch.testing.assert_close(got, run_native(q, kg, vg, tables, first_block_only, scale, gate), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_triton_a_first_tile_of_dropped_blocks_adds_nothing(num_splits):
+    """Row 0's first four block ids (-1 and nb, alternately) lie outside the cache: at block_n 16, its first tile
+    (and, with two splits of 16 tokens, its whole first split) has no token, so its running max is still -inf
+    when that tile's max is -inf too; the exponents subtract 0 there (never -inf - -inf, NaN) and the row
+    attends to its last 6 tokens alone: the reference on the table without those blocks. Row 1 is untouched."""
+    q, k, v, tables, lens, scale, gate, _, _ = make_case(2, 4, 2, 16, 4, [22, 9], "bf16", torch.bfloat16, seed=10)
+    nb = k.shape[0]
+    shifted, short = tables.clone(), lens.clone()
+    shifted[0, :-4], shifted[0, -4:], short[0] = tables[0, 4:], 0, 6
+    tables[0, :4] = torch.tensor([-1, nb, -1, nb])
+    assert tables.shape[1] == 7  # 28 tokens: two splits of 16 when asked for two
+    got = run_triton(q, k, v, tables, lens, scale, gate, num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(got, run_native(q, k, v, shifted, short, scale, gate), **TOL[torch.bfloat16])
+
+
 # --- operands the kernel cannot take ---------------------------------------------------------------------
 
 NAMES = ("q", "k_cache", "v_cache", "block_tables", "context_lens", "scale", "gate", "k_scale", "v_scale")
