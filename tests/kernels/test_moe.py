@@ -447,6 +447,42 @@ def test_fused_moe_triton_transposed_x():
     scaled_close(got, moe.fused_moe.reference(x, w_gate_up, w_down, weights, ids), TOL[torch.float32])
 
 
+def apart(t: torch.Tensor, fill) -> torch.Tensor:
+    """t [E, R, C]'s values in a view of a wider tensor [E, R + 1, C + 8] filled with `fill`: its rows and its
+    experts lie further apart than t's, and a read by t's own (contiguous) strides lands in the fill."""
+    store = torch.full((t.shape[0], t.shape[1] + 1, t.shape[2] + 8), fill, dtype=t.dtype, device=t.device)
+    return store[:, :t.shape[1], :t.shape[2]].copy_(t)
+
+
+@FMT_PATHS
+@pytest.mark.parametrize("e", [1, 4], ids=["one-candidate", "split"])
+def test_triton_reads_the_experts_and_writes_out_by_their_strides(e, fmt, nvfp4_path):
+    """The experts' weights (and NVFP4 block scales) with their rows and their experts further apart than
+    contiguous ones (any strides but the last are taken), the gap filled with NaN (codes: 0x77, +-6 in both
+    nibbles, where NaN has no code); the NVFP4 globals strided too ([E, 2] a transpose, [E] every other element);
+    H 48 and I 32, so the rows' strides differ from both. `out` the first half of NaN rows twice as wide: one
+    expert makes one candidate, whose down kernel stores `out` itself (E 4: split candidates, the blend kernel
+    stores); the other half stays NaN. Against the reference at fp32's tolerance."""
+    n, k, h, i = 3, 1 if e == 1 else 2, 48, 32
+    gen = torch.Generator().manual_seed(17)
+    x = torch.randn(n, h, generator=gen)
+    if fmt == "unq":
+        op, args = moe.fused_moe, dict(zip(("w_gate_up", "w_down"),
+                                           (apart(w, float("nan")) for w in experts(e, h, i, torch.float32, gen))))
+    else:
+        q = nvfp4_experts(e, h, i, gen)
+        op, args = moe.fused_moe_nvfp4, {name: apart(q[name], 0x77 if "weight" in name else float("nan"))
+                                         for name in ("gu_weight", "gu_scale", "dn_weight", "dn_scale")}
+        args["gu_global"] = q["gu_global"].t().contiguous().t()
+        args["dn_global"] = torch.stack([q["dn_global"], torch.full_like(q["dn_global"], float("nan"))], 1)[:, 0]
+    args.update(zip(("topk_weights", "topk_ids"), routing(n, e, k, gen)), **shared_inputs(n, h, torch.float32, gen))
+    wide = torch.full((n, 2 * h), float("nan"))
+    with ops.use_backend("triton"):
+        got = op(x, **args, out=wide[:, :h], workspace=torch.full((n * k, i), float("nan")))
+    scaled_close(got, op.reference(x, **args), TOL[torch.float32])
+    assert bool(wide[:, h:].isnan().all())
+
+
 def nvfp4_exact(dense: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 [E, R, K/2], e4m3 scales) of fp32 values [E, R, K] >= 0, each an E2M1 value times its block's
     scale in `scale` [E, R, K/16], which e4m3 holds exactly: no rounding anywhere (checked)."""
