@@ -325,12 +325,12 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
     depth, the splits rounded down to what its SMs hold; of the two, the grid that fills its last wave best, then
     the one of fewer waves, then 3 stages with per-token scales and one stage with `unit_scales` (of the 8 such
     ties timed, one stage was the faster in 6, by up to 5%, and 0.2-0.6% slower in 2; with per-token scales 3
-    stages were 1-3% faster). On the H100 sweeps (1 to 320 sequences of 2048, 4096
-    and 16384 tokens; 46 cases whose pick was timed) the picks were within 5% of the fastest tuning timed in each
-    (geometric mean 1.005x before the unit-scale tie-break); the default before (one stage, rounded up) 1.14x, up
-    to 1.43x (BENCHMARKS.md's twenty-third and twenty-fourth runs). An FP8 cache at other tiles keeps that default
-    before: its SMs hold other counts (sm_90 cubins: D 128 4 and 3, D 64 7 and 5, D 512 2 and 2), and no tuning
-    was timed there."""
+    stages were 1-3% faster). On the H100 sweeps (1 to 320 sequences of 2048, 4096 and 16384 tokens; 46 cases
+    whose pick was timed) the picks were within 5% of the fastest tuning timed in each (geometric mean 1.005x
+    before the unit-scale tie-break); the default before (one stage, rounded up) 1.14x, up to 1.43x
+    (BENCHMARKS.md's twenty-third and twenty-fourth runs). An FP8 cache at other tiles keeps that default before:
+    its SMs hold other counts (sm_90 cubins: D 128 4 and 3, D 64 7 and 5, D 512 2 and 2), and no tuning was
+    timed there."""
     if not sms:
         return num_splits or 1, num_stages or _TRITON_STAGES
 
@@ -340,7 +340,7 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
         want = held // programs if down else -(-held // programs)
         return max(1, min(want, max_tokens // max(128, block_n), 64))
 
-    if not fp8 and tf32_16bit and tiles == _WAVE_TILES and num_stages in (None, _TRITON_STAGES):
+    if tf32_16bit and tiles == _WAVE_TILES and num_stages in (None, _TRITON_STAGES):
         down = splits_at(_BF16_HELD * sms, True)
         if _split_len(max_tokens, down, block_n) >= _MIN_SPLIT_TOKENS:
             return down, _TRITON_STAGES
@@ -572,7 +572,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     dot_dtype = _dot_dtype(q, k_cache, fast_dot)
     splits, num_stages = _default_tuning(sms, b * hkv, max_tokens, block_n, fp8, num_splits, num_stages,
                                          (g_pad, d_pad, block_n, num_warps), unit_scales=k_scale is None,
-                                         tf32_16bit=not exact and dot_dtype == tl.float32)
+                                         tf32_16bit=not (fp8 or exact) and dot_dtype == tl.float32)
     split_len = _split_len(max_tokens, splits, block_n)
     splits = triton.cdiv(max_tokens, split_len)  # no split left empty for every row
     if splits > 1:

@@ -778,14 +778,15 @@ def test_the_launcher_passes_its_tiles_to_the_default_tuning(monkeypatch):
 
 def test_the_launcher_says_which_16_bit_calls_run_the_heads_kernel(monkeypatch):
     """tf32_16bit: a 16-bit q and cache with fp32 dots (tf32), the kernel whose 3 programs an SM the 16-bit rounding
-    down counts; an fp32 q or cache runs "ieee" dots, another kernel."""
+    down counts; an fp32 q or cache runs "ieee" dots, and an FP8 cache (tf32 dots too without fast_dot) its own
+    kernel."""
     import mtpfactory.kernels.paged_attention as pa
     seen = []
     monkeypatch.setattr(pa, "_default_tuning", lambda *a, **k: seen.append(k["tf32_16bit"]) or (1, 3))
     for kv, q_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("bf16", torch.float32),
-                        ("fp32", torch.bfloat16)):
-        paged_decode_attention_triton(*make_case(1, 16, 2, 256, 16, [40], kv, q_dtype))
-    assert seen == [True, True, False, False]
+                        ("fp32", torch.bfloat16), ("fp8", torch.bfloat16)):
+        paged_decode_attention_triton(*make_case(1, 16, 2, 256, 16, [40], kv, q_dtype), fast_dot=False)
+    assert seen == [True, True, False, False, False]
 
 
 def test_default_tuning_keeps_128_tokens_a_split_and_at_most_64():
