@@ -56,10 +56,10 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
     for o in overrides:
         key, eq, value = o.partition("=")
         if eq and value.startswith("{") and (entries := _dict_entries(o)) is not None:
-            if key.lstrip("+~") in GROUPS:
+            if (group := key.lstrip("+~")) in GROUPS:
                 raise ConfigError(key, value, f"a config group: its value names one of its options "
-                                  f"({', '.join(options(key.lstrip('+~')))})",
-                                  f"set its fields one by one, e.g. {key.lstrip('+~')}.FIELD=VALUE")
+                                  f"({', '.join(options(group))})",
+                                  f"set its fields one by one, e.g. {group}.FIELD=VALUE")
             check_overrides([f"{key}.{k}={v}" for k, v in entries])
             continue
         if eq and key == "head":  # the defaults list names no head, so Hydra has none to override
@@ -73,9 +73,8 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
                 raise ConfigError(key, value, f"not built yet (DESIGN 2.2 plans it); built: {', '.join(known)}",
                                   f"choose one of {', '.join(known)}")
             raise UnknownNameError(key, value, known)
-        if eq and key in SWITCHES and value.strip().lower() not in BOOL_WORDS + ("null",) * SWITCHES[key]:
-            words = ", ".join(BOOL_WORDS + ("null",) * SWITCHES[key])
-            raise ConfigError(key, value, f"a switch: {words}", f"set {key}=true or {key}=false")
+        if eq and key in SWITCHES and value.strip().lower() not in (words := BOOL_WORDS + ("null",) * SWITCHES[key]):
+            raise ConfigError(key, value, f"a switch: {', '.join(words)}", f"set {key}=true or {key}=false")
         if eq and (err := _type_refusal(key, value)):
             raise err
 
