@@ -279,8 +279,11 @@ def _build(ctx: BuildContext, form: str) -> QwenMTPHead:
                                                ctx.device, "lower runtime.prefill_chunk (default 256)"))
                if cfg.levers.drafter_prefill else None)
     experts = getattr(ffn, "num_experts", 0)
-    quant = cfg.quant.mode + (" (weight-only NVFP4: q, o, dense FFN)" if form == "dense" and cfg.quant.mode == "nvfp4"
-                              else "")
+    quant = cfg.quant.mode
+    if form == "dense" and quant == "nvfp4":
+        quant += " (weight-only NVFP4: q, o, dense FFN)"
+    elif quant == "bf16" and ctx.dtype != torch.bfloat16:   # bf16 is the mode's name: unquantized, in runtime.dtype
+        quant += f" (unquantized {cfg.runtime.dtype})"
     if experts and ctx.fmt("experts") != "unq":
         quant += f", experts {ctx.fmt('experts')}"
     kv = str(spec.dtype).removeprefix("torch.") + (" per-token scales" if spec.token_scales else "")

@@ -158,6 +158,8 @@ BUILD_LINES = {
     ("bf16_moe", "quant.lm_head=nvfp4", "levers.mtp_vocab_size=100"): "MTP head bf16_moe: quant=bf16, "
     "fc=[64,128], attn Q=[128,64], ffn=moe, 8 experts, vocab=100/512 (LM head nvfp4 0.003 MB), kv=bfloat16, "
     "pool=34 blocks",
+    ("dense", "runtime.dtype=float16"): "MTP head dense: quant=bf16 (unquantized float16), fc=[64,128], "
+    "attn Q=[128,64], ffn=swiglu, 0 experts, vocab=512/512 (LM head unq 0.062 MB), kv=float16, pool=34 blocks",
 }
 
 
