@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, check_indices, out_or_empty, overlaps, write_out
+from mtpfactory.ops import Op, check_indices, out_or_empty, overlap_refusal, write_out
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -100,7 +100,7 @@ def embedding_triton(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor |
     """The reference's contract, except for an id outside [0, V): the reference refuses it, which takes a sync;
     this provider writes a row of zeros for it. `out` (optional, any strides): [N, H] in table's dtype.
     Operands as `embedding_refusal` says."""
-    if err := embedding_refusal(ids, table) or out_overlap_refusal(ids, table, out):
+    if err := _embedding_call_refusal(ids, table, out):
         raise err
     return embedding_launch(ids, table, out)
 
@@ -120,20 +120,10 @@ def embedding_launch(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor |
     return y
 
 
-def out_overlap_refusal(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None) -> InputError | None:
-    """Why the kernel cannot write `out`, or None: memory shared with the table or the ids, which its programs
-    would overwrite while others still read them (the reference reads every row before it writes)."""
-    for name, t in (("table", table), ("ids", ids)):
-        if out is not None and overlaps(out, t):
-            return InputError("out", f"memory shared with {name}", f"a buffer apart from {name} (the kernel writes "
-                              f"rows while other programs still read {name})",
-                              "pass an out of its own, or call the op under runtime.backend=auto: it runs the "
-                              "reference for it")
-    return None
-
-
 def _embedding_call_refusal(ids, table, out=None):
-    return embedding_refusal(ids, table) or out_overlap_refusal(ids, table, out)
+    """`embedding_refusal`, and an `out` sharing memory with the table or the ids (even `out` the table itself):
+    a program overwrites rows that other programs still gather from."""
+    return embedding_refusal(ids, table) or overlap_refusal("out", out, table=table, ids=ids)
 
 
 embedding.register_provider("triton", embedding_launch, _embedding_call_refusal)

@@ -55,7 +55,7 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.linear import dot_acc, lowp_dot
 from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, nvfp4_words, permuted_x, words_refusal
-from mtpfactory.ops import Op, out_refusal, outs_refusal, overlaps, write_outs
+from mtpfactory.ops import Op, out_refusal, outs_refusal, overlap_refusal, write_outs
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -187,14 +187,9 @@ def _moe_args_refusal(x, top_k, inter, shared_out, shared_gate, out, workspace) 
     if err := (out_refusal(out, x.shape, x.dtype, x.device, layout="rows")
                or out_refusal(workspace, (x.shape[0] * top_k, inter), x.dtype, x.device, "workspace", "contiguous")):
         return err
-    if workspace is not None:
-        # the kernels write it while they read x and shared_out and write out: shared memory gave wrong results
-        for name, t in (("x", x), ("out", out), ("shared_out", shared_out), ("shared_gate", shared_gate)):
-            if t is not None and overlaps(workspace, t):
-                return InputError("workspace", f"memory shared with {name}", "scratch of its own (the kernels "
-                                  "write it while they read x and shared_out and write out)",
-                                  "pass a workspace of its own, or none (the provider allocates one)")
-    return None
+    # the kernels write it while they read x and shared_out and write out: shared memory gave wrong results
+    return overlap_refusal("workspace", workspace, fix="pass a workspace of its own, or none (the provider "
+                           "allocates one)", x=x, out=out, shared_out=shared_out, shared_gate=shared_gate)
 
 
 # The shape rules. The references check what they index and broadcast (`_route_shape_refusal`,

@@ -14,7 +14,10 @@ The ops themselves are defined in `mtpfactory.kernels` (one file each). A head r
 `from mtpfactory import kernels as K`) and never thread a backend argument through.
 
 An op that takes `out=` takes it in its reference too (`write_out`), so a call means the same whichever
-provider serves it; every provider checks `out` (`check_out`) before writing anything.
+provider serves it; every provider checks `out` (`check_out`) before writing anything. The reference computes
+its result before it writes `out`, so an `out` sharing memory with an input is right there; a provider whose
+kernels could then read what they have already written refuses it by name (`overlap_refusal`), so `auto` runs
+the reference for it.
 """
 
 from __future__ import annotations
@@ -261,6 +264,34 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
+
+
+_OVERLAP_FIX = "pass an out of its own, or call the op under runtime.backend=auto: it runs the reference for it"
+
+
+def overlap_refusal(field: str, out: torch.Tensor | None, /, *, in_place: tuple[str, ...] = (),
+                    fix: str = _OVERLAP_FIX, **inputs: torch.Tensor | None) -> InputError | None:
+    """Why a provider cannot write `out` (its argument `field`) while its kernels read `inputs` (by name; None for
+    one not given), or None (also for no `out`): memory shared with one of them (`overlaps`), which a program
+    would overwrite while another still reads it. An input named in `in_place` may be `out` itself, the same
+    elements (`_same_elements`): the caller's kernels read all they need of an element before writing it, and no
+    other program reads it; any other overlap with it is refused."""
+    if out is None:
+        return None
+    for name, t in inputs.items():
+        if t is None or not overlaps(out, t) or (name in in_place and _same_elements(out, t)):
+            continue
+        itself = f", or {name} itself (in place)" if name in in_place else ""
+        return InputError(field, f"memory shared with {name}", f"memory apart from {name}{itself} (the provider's "
+                          f"kernels write {field} while they still use {name})", fix)
+    return None
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are the same elements: one start, dtype and shape, and the same stride along every dim
+    of more than one element (a dim of one has no step to take)."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and all(n == 1 or s == t for n, s, t in zip(a.shape, a.stride(), b.stride())))
 
 
 def out_or_empty(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
