@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, out_or_empty, out_refusal, write_out
+from mtpfactory.ops import Op, out_or_empty, out_refusal, overlap_refusal, write_out
 
 
 def _argmax_shape_refusal(logits: torch.Tensor) -> InputError | None:
@@ -134,7 +134,7 @@ def argmax_refusal(logits: torch.Tensor, chunk: int | None = None) -> InputError
 def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """The reference's contract; `out` (optional, any stride): int64 [B]; `chunk`: V elements per first-stage
     program (a power of two; None: the op's, `_chunk_for`). Operands as `argmax_refusal` says."""
-    if err := argmax_refusal(logits, chunk):
+    if err := argmax_refusal(logits, chunk) or _out_overlap_refusal(logits, out):
         raise err
     return argmax_launch(logits, out, chunk)
 
@@ -160,10 +160,16 @@ def argmax_launch(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: 
     return y
 
 
+def _out_overlap_refusal(logits: torch.Tensor, out: torch.Tensor | None) -> InputError | None:
+    """An `out` sharing memory with the logits (a view of their bytes: out is int64, never the logits themselves)
+    is refused: where a row fits one chunk, program b writes out[b] while other programs still read their rows."""
+    return overlap_refusal("out", out, logits=logits)
+
+
 def _argmax_call_refusal(logits, out=None):
     """Through the op, `chunk` (the provider's tuning argument) is not taken: the reference has none, so a call
     means the same under every backend. Tests and sweeps pass it to `argmax_triton` itself."""
-    return argmax_refusal(logits)
+    return argmax_refusal(logits) or _out_overlap_refusal(logits, out)
 
 
 argmax.register_provider("triton", argmax_launch, _argmax_call_refusal)

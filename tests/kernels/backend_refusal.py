@@ -3,8 +3,10 @@
 import re
 
 import pytest
+import torch
 
-from mtpfactory.errors import ConfigError
+from mtpfactory import ops
+from mtpfactory.errors import ConfigError, InputError
 
 
 def assert_backend_refuses(op, field: str, *args, **kwargs) -> None:
@@ -18,3 +20,22 @@ def assert_backend_refuses(op, field: str, *args, **kwargs) -> None:
     else:
         with pytest.raises(ConfigError, match=rf"op {op.name} has no triton provider .*it refuses {field}="):
             op(*args, **kwargs)
+
+
+def assert_overlap_refused(op, field: str, shares: str, *args, **kwargs) -> None:
+    """Under `runtime.backend=triton`, `op(*args, **kwargs)`, whose `field` (an out=) shares memory with its input
+    `shares`: the provider refuses it (an InputError naming both, which the backend's error repeats, naming the
+    op), before it writes anything: every tensor of the call holds what it held."""
+    why = op.providers["triton"].refusal(*args, **kwargs)
+    assert isinstance(why, InputError) and (why.field, why.value) == (field, f"memory shared with {shares}"), why
+    before = [_bytes(t) for t in ops._tensors(args, kwargs)]
+    with ops.use_backend("triton"), pytest.raises(
+            ConfigError, match=rf"op {op.name} has no triton provider .*it refuses {re.escape(field)}='memory "
+                               rf"shared with {shares}'"):
+        op(*args, **kwargs)
+    assert all(torch.equal(_bytes(t), b) for t, b in zip(ops._tensors(args, kwargs), before)), "a refused call wrote"
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of t's whole storage (NaN compares equal to itself as bytes)."""
+    return torch.tensor([], dtype=torch.uint8).set_(t.untyped_storage()).clone()

@@ -10,7 +10,7 @@ import torch
 from mtpfactory import ops
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import _chunk_for, argmax, argmax_refusal, argmax_triton
-from backend_refusal import assert_backend_refuses
+from backend_refusal import assert_backend_refuses, assert_overlap_refused
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -94,6 +94,22 @@ def test_strided_out_which_every_provider_takes(backend, V):
         for bad in (torch.empty(5, dtype=torch.int32), torch.empty(4, dtype=torch.int64)):
             with pytest.raises(InputError, match="out="):
                 argmax(x, out=bad)
+
+
+def test_an_out_sharing_memory_with_the_logits_is_left_to_the_reference():
+    """`out` (int64) a view of the logits' own bytes, over row 1: one chunk a row, so program 0 wrote its index
+    over row 1's largest logit before program 1 read the row (row 1 then answered 5, not 0). The provider refuses
+    it naming both, writing nothing; `auto` runs the reference, which finds every index before it writes."""
+    buf = torch.randn(32, generator=torch.Generator().manual_seed(0))
+    logits = buf.view(4, 8)
+    logits[1, 0] = 10.0
+    out = buf.view(torch.int64)[4:8]
+    want = argmax.reference(logits.clone())
+    assert_overlap_refused(argmax, "out", "logits", logits, out=out)
+    with pytest.raises(InputError, match="^out='memory shared with logits'"):
+        argmax_triton(logits, out=out)
+    with ops.use_backend("auto"):
+        assert torch.equal(argmax(logits, out=out), want)
 
 
 def _logits():
