@@ -65,14 +65,16 @@ def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cen
     and the sum and are returned."""
     if err := _rms_norm_contract(x, weight, eps, zero_centred, residual, out, residual_out):
         raise err
-    if residual is not None:
-        x = x + residual if residual_out is None else torch.add(x, residual, out=residual_out)
-    xf = x.float()
+    s = x if residual is None else x + residual
+    xf = s.float()
     w = weight.float() + 1.0 if zero_centred else weight.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+    # both written only once both are computed: an out or residual_out may share memory with any input
+    if residual_out is not None:
+        s = residual_out.copy_(s)
     if out is not None:
         y = out.copy_(y)
-    return y if residual is None else (y, x)
+    return y if residual is None else (y, s)
 
 
 rms_norm = Op("rms_norm", _rms_norm_native, _rms_norm_contract)
