@@ -16,7 +16,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
-from mtpfactory.ops import Op, check_out, number_refusal, out_refusal
+from mtpfactory.ops import Op, check_out, number_refusal, out_refusal, overlap_refusal
 
 
 def residual_refusal(x: torch.Tensor, residual: torch.Tensor | None,
@@ -149,7 +149,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     (optional) receives what the NVFP4 GEMV's x pass would write for the norm, viewed as [M, H] (H a multiple
     of 16); `pdl`: the next launch is a programmatic dependent launch (`linear.x_pass_pdl`). Operands as
     `rms_norm_refusal` says."""
-    if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out) or number_refusal("eps", eps):
+    if err := (rms_norm_refusal(x, weight, residual, residual_out=residual_out) or number_refusal("eps", eps)
+               or _outs_overlap_refusal(x, weight, residual, out, residual_out)):
         raise err
     return rms_norm_launch(x, weight, eps, zero_centred, residual, out, residual_out, x_pairs, pdl)
 
@@ -191,16 +192,28 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     return y if residual is None else (y, s)
 
 
+def _outs_overlap_refusal(x, weight, residual, out, residual_out) -> InputError | None:
+    """`out` or `residual_out` sharing memory with an input, but for x or the residual itself: program r reads
+    its whole row of x and of the residual before it writes that row of the sum and of the norm, and no other
+    program reads the row, so either may be written in place. Any other overlap with them is refused (program r
+    would write into a row another program has yet to read), as is any with the weight, which every program
+    reads, after it has written the sum."""
+    return (overlap_refusal("out", out, in_place=("x", "residual"), x=x, residual=residual, weight=weight)
+            or overlap_refusal("residual_out", residual_out, in_place=("x", "residual"), x=x, residual=residual,
+                               weight=weight))
+
+
 def _rms_norm_call_refusal(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None):
-    """The op's call: `rms_norm_refusal`, and `out` / `residual_out` contiguous (the kernel writes rows H
-    apart; `auto` gives others to the reference, which writes any strides)."""
+    """The op's call: `rms_norm_refusal`, `out` / `residual_out` contiguous (the kernel writes rows H apart;
+    `auto` gives others to the reference, which writes any strides), and apart from the inputs but in place
+    (`_outs_overlap_refusal`)."""
     if err := rms_norm_refusal(x, weight, residual, residual_out=residual_out) or number_refusal("eps", eps):
         return err
     for field, t in (("out", out), ("residual_out", residual_out)):
         if t is not None and not t.is_contiguous():
             return InputError(field, f"strides {t.stride()} of {list(t.shape)}", "a contiguous tensor (the "
                               "kernel writes rows H apart)", f"pass a contiguous {field}, or leave {field}=None")
-    return None
+    return _outs_overlap_refusal(x, weight, residual, out, residual_out)
 
 
 rms_norm.register_provider("triton", rms_norm_launch, _rms_norm_call_refusal)

@@ -9,6 +9,7 @@ import torch
 from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError
 from mtpfactory.kernels.rms_norm import rms_norm, rms_norm_triton
+from backend_refusal import assert_overlap_refused
 from norm_cases import NORM_CASES, bad_norm_operands
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -119,6 +120,43 @@ def test_out_means_the_same_on_every_provider():
     with ops.use_backend("triton"):
         assert not rms_norm.providers["triton"].supports(x, w, 1e-6, True, out=out, residual_out=res_out)
     assert out.isnan().all() and res_out.isnan().all()
+
+
+@pytest.mark.parametrize("out_is, residual_out_is", [("x", None), ("x", "residual"), ("residual", "x")])
+def test_out_and_residual_out_in_place_on_x_or_the_residual_are_taken(out_is, residual_out_is):
+    """Program r reads its whole row of x and of the residual before it writes that row of the norm and the sum,
+    and no other program reads the row: `out` and `residual_out` may be x or the residual themselves, and the
+    Triton provider in place gives the reference's answer."""
+    gen = torch.Generator().manual_seed(8)
+    x, res = (torch.randn(3, 40, generator=gen).to(torch.bfloat16) for _ in range(2))
+    w = torch.randn(40, generator=gen).to(torch.bfloat16)
+    want_y, want_s = rms_norm.reference(x, w, 1e-6, True, res)
+    operands = {"x": x, "residual": res, None: None}
+    with ops.use_backend("triton"):
+        y, s = rms_norm(x, w, 1e-6, True, res, out=operands[out_is], residual_out=operands[residual_out_is])
+    assert y is operands[out_is] and (residual_out_is is None or s is operands[residual_out_is])
+    assert torch.equal(s, want_s)
+    assert_matches(y, want_y)
+
+
+@pytest.mark.parametrize("field, shares", [("out", "x"), ("residual_out", "residual"), ("out", "weight")])
+def test_an_out_sharing_memory_with_an_input_but_in_place_is_left_to_the_reference(field, shares):
+    """`out` or `residual_out` laid one element past the start of x or the residual (program 0 wrote into row 1
+    before its program read it), or over the weight (which every program reads): the provider refuses it naming
+    both, writing nothing; `auto` runs the reference, which computes the norm and the sum before it writes
+    either (it wrote the sum first: torch.add refused a residual_out partly over the residual)."""
+    m, h = 3, 40
+    buf = torch.randn(3 * m * h + 1, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    x, res, w = buf[: m * h].view(m, h), buf[m * h: 2 * m * h].view(m, h), buf[2 * m * h: 2 * m * h + h]
+    over = {"x": buf[1: m * h + 1], "residual": buf[m * h + 1: 2 * m * h + 1], "weight": buf[2 * m * h: 3 * m * h]}
+    kw = {field: over[shares].view(m, h)}
+    want_y, want_s = rms_norm.reference(x.clone(), w.clone(), 1e-6, True, res.clone())
+    assert_overlap_refused(rms_norm, field, shares, x, w, 1e-6, True, res, **kw)
+    with pytest.raises(InputError, match=f"^{field}='memory shared with {shares}'"):
+        rms_norm_triton(x, w, 1e-6, True, res, **kw)
+    with ops.use_backend("auto"):
+        y, s = rms_norm(x, w, 1e-6, True, res, **kw)
+    assert torch.equal(y, want_y) and torch.equal(s, want_s)
 
 
 @pytest.mark.parametrize("case", NORM_CASES)
