@@ -9,7 +9,7 @@ from triton.language.extra import libdevice
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, out_or_empty, out_refusal, write_out
+from mtpfactory.ops import Op, out_or_empty, out_refusal, overlap_refusal, write_out
 
 
 def _rope_neox_shape_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> InputError | None:
@@ -161,7 +161,7 @@ def rope_neox_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's contract; x may be a strided view (a slice of a fused QKV) with its last dim
     contiguous. `out` (optional, any strides) has x's shape and dtype. Operands as `rope_neox_refusal` says."""
-    if err := rope_neox_refusal(x, positions, inv_freq):
+    if err := _rope_neox_call_refusal(x, positions, inv_freq, out):
         raise err
     return rope_neox_launch(x, positions, inv_freq, out)
 
@@ -184,7 +184,12 @@ def rope_neox_launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
 
 
 def _rope_neox_call_refusal(x, positions, inv_freq, out=None):
-    return rope_neox_refusal(x, positions, inv_freq)
+    """`rope_neox_refusal`, and an `out` sharing memory with an input but for x itself: program (n, heads) reads
+    both halves of its heads' rotated dims before it writes either, and each pass-through element before it
+    writes it, and no other program reads those heads, so out may be x (in place). Any other overlap with x, or
+    one with positions or inv_freq, which other programs still read, is refused."""
+    return (rope_neox_refusal(x, positions, inv_freq)
+            or overlap_refusal("out", out, in_place=("x",), x=x, positions=positions, inv_freq=inv_freq))
 
 
 rope_neox.register_provider("triton", rope_neox_launch, _rope_neox_call_refusal)

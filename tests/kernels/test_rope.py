@@ -9,7 +9,7 @@ import torch
 from mtpfactory import ops
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.rope import rope_inv_freq, rope_neox, rope_neox_refusal, rope_neox_triton
-from backend_refusal import assert_backend_refuses
+from backend_refusal import assert_backend_refuses, assert_overlap_refused
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (N, heads, D, rotary_dim): full rotation of a tiny head, partial with odd D, a pass-through tail of one.
@@ -93,6 +93,43 @@ def test_strided_positions_and_out_which_every_provider_takes(backend):
         for bad in (torch.empty(3, 2, 12, dtype=torch.bfloat16), torch.empty(3, 3, 12)):
             with pytest.raises(InputError, match="out="):
                 rope_neox(x, positions, inv_freq, out=bad)
+
+
+def test_in_place_on_a_slice_of_a_fused_projection():
+    """`out` x itself, x the q heads of a fused QKV buffer: each program reads both halves of its heads' rotated
+    dims before it writes either, and each pass-through element before it writes it, and no other program reads
+    those heads; the provider takes it and gives the reference's answer, leaving the K and V heads as they were."""
+    gen = torch.Generator().manual_seed(10)
+    qkv = torch.randn(4, 3 + 2 * 2, 13, generator=gen).to(torch.bfloat16)
+    q = qkv[:, :3]
+    positions, inv_freq = torch.tensor([0, 3, 77, 4096]), rope_inv_freq(8, 10_000.0)
+    want, kv = rope_neox.reference(q, positions, inv_freq), qkv[:, 3:].clone()
+    with ops.use_backend("triton"):
+        assert rope_neox(q, positions, inv_freq, out=q) is q
+    assert_matches(q, want, want, 8)
+    assert torch.equal(qkv[:, 3:], kv)
+
+
+@pytest.mark.parametrize("shares", ["x", "inv_freq"])
+def test_an_out_sharing_memory_with_an_input_but_in_place_is_left_to_the_reference(shares):
+    """`out` one token past x (program 0 wrote token 1's row before its program read it), or starting over
+    inv_freq (program 0 wrote over it before the others read it): the provider refuses it naming both, writing
+    nothing; `auto` runs the reference, which rotates every row before it writes."""
+    n, heads, d = 3, 2, 12
+    buf = torch.randn((n + 1) * heads * d, generator=torch.Generator().manual_seed(11))
+    positions = torch.tensor([5, 9, 100])
+    if shares == "x":
+        x, out, inv_freq = buf[: n * heads * d], buf[heads * d:], rope_inv_freq(8, 10_000.0)
+    else:
+        x, out, inv_freq = torch.randn(n * heads * d), buf[: n * heads * d], buf[:4]
+        inv_freq.copy_(rope_inv_freq(8, 10_000.0))
+    x, out = x.view(n, heads, d), out.view(n, heads, d)
+    want = rope_neox.reference(x.clone(), positions, inv_freq.clone())
+    assert_overlap_refused(rope_neox, "out", shares, x, positions, inv_freq, out=out)
+    with pytest.raises(InputError, match=f"^out='memory shared with {shares}'"):
+        rope_neox_triton(x, positions, inv_freq, out=out)
+    with ops.use_backend("auto"):
+        assert torch.equal(rope_neox(x, positions, inv_freq, out=out), want)
 
 
 @pytest.mark.parametrize("backend", ["triton", "native"])
