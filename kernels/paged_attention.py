@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, check_indices, number_refusal, out_or_empty, out_refusal, write_out
+from mtpfactory.ops import Op, check_indices, number_refusal, out_or_empty, out_refusal, overlap_refusal, write_out
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
@@ -416,8 +416,12 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     FP8 only on the CPU or sm_89 and later (which convert E4M3); v_cache of k_cache's shape and dtype; gate None
     or bf16, fp16 or fp32 of q's shape; k_scale, v_scale None or float32 [blocks, block_size, kv_heads];
     block_tables an int32 or int64 [B, max_blocks] of at most 2^30 tokens (max_blocks x block_size); context_lens
-    an int32 or int64 [B]; any strides; all on q's device; scale a Python number. `out` is checked where it is
-    written (`check_out`)."""
+    an int32 or int64 [B]; any strides; all on q's device; scale a Python number. `out` apart from the inputs, but
+    it may be q or the gate themselves: a (sequence, KV head) reads its group's q rows before its first dot and
+    each gate element just before it writes that element of out (in the reduce kernel, with several splits),
+    and no other program reads them; any other overlap with them, or with the caches, scales, block table or
+    lengths, which other programs still read, is refused. Its shape and dtype are checked where it is written
+    (`check_out`)."""
     if err := _shape_refusal(q, k_cache, v_cache, block_tables, context_lens, gate, k_scale, v_scale):
         return err
     if err := number_refusal("scale", scale):
@@ -484,7 +488,8 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         if t is not None and t.device != q.device:
             return InputError(name, f"on {t.device}", f"on q's device, {q.device} (the kernel reads it there)",
                               f"pass {name} on q's device")
-    return None
+    return overlap_refusal("out", out, in_place=("q", "gate"), q=q, gate=gate, k_cache=k_cache, v_cache=v_cache,
+                           k_scale=k_scale, v_scale=v_scale, block_tables=block_tables, context_lens=context_lens)
 
 
 def tuning_refusal(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None, block_n: int | None,
@@ -539,7 +544,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     is on for an FP8 cache only, where it keeps the numerics.
     Operands as `paged_decode_attention_refusal` says, tuning arguments as `tuning_refusal`."""
     if err := (paged_decode_attention_refusal(q, k_cache, v_cache, block_tables, context_lens, scale, gate, k_scale,
-                                              v_scale)
+                                              v_scale, out=out)
                or tuning_refusal(q, k_cache, num_splits, block_n, num_warps, fast_dot, num_stages)):
         raise err
     return paged_decode_attention_launch(q, k_cache, v_cache, block_tables, context_lens, scale, gate, k_scale,

@@ -28,7 +28,7 @@ from mtpfactory.errors import InputError, MtpfError
 from mtpfactory.kernels.paged_attention import (_REDUCE_BLOCK_D, _REDUCE_TILE, _default_block_n, _default_tuning,
                                                _dot_dtype, paged_decode_attention, paged_decode_attention_triton,
                                                tuning_refusal)
-from backend_refusal import assert_backend_refuses
+from backend_refusal import assert_backend_refuses, assert_overlap_refused
 
 # The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -311,6 +311,41 @@ def test_output_in_q_dtype_whatever_the_gate_and_out_which_every_provider_takes(
         for bad in (torch.empty(2, 4, 16), torch.empty(2, 4, 8, dtype=torch.bfloat16)):
             with pytest.raises(InputError, match="out="):
                 paged_decode_attention(*args, out=bad)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("into", ["q", "gate"])
+def test_triton_in_place_on_q_or_the_gate(into, num_splits):
+    """`out` q or the gate itself: a (sequence, KV head) reads its group's q rows before its first dot and each gate
+    element just before it writes that element of out (the reduce kernel's, with two splits), and no other
+    program reads them; the provider takes it and gives the reference's answer."""
+    args = make_case(3, 4, 2, 16, 4, [9, 16, 2], "bf16", torch.bfloat16, seed=16)
+    want = run_native(*args)
+    out = args[NAMES.index(into)]
+    with ops.use_backend("triton"):
+        got = paged_decode_attention_triton(*args, out=out, num_splits=num_splits, block_n=16)  # 20 tokens: 2 splits
+    assert got is out
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("shares", ["q", "k_cache"])
+def test_an_out_sharing_memory_with_an_input_but_in_place_is_left_to_the_reference(shares):
+    """`out` one sequence past q's start (sequence 0's programs wrote sequence 1's q rows before its programs read
+    them), or over the K cache's used blocks (which every program of a sequence reads): the provider refuses it
+    naming both, writing nothing; `auto` runs the reference, which attends every row before it writes."""
+    q, k, v, tables, lens, scale, gate, _, _ = make_case(3, 4, 2, 16, 4, [9, 16, 2], "bf16", torch.bfloat16, seed=17)
+    if shares == "q":
+        buf = torch.cat([q.flatten(), torch.randn(4 * 16).bfloat16()])
+        q, out = buf[: q.numel()].view(q.shape), buf[4 * 16:].view(q.shape)
+    else:
+        out = k.view(-1)[4 * 2 * 16:][: q.numel()].view(q.shape)      # blocks 1 on, block 0 being unused
+    args = (q, k, v, tables, lens, scale, gate)
+    want = run_native(*(t.clone() if isinstance(t, torch.Tensor) else t for t in args))
+    assert_overlap_refused(paged_decode_attention, "out", shares, *args, out=out)
+    with pytest.raises(InputError, match=f"^out='memory shared with {shares}'"):
+        paged_decode_attention_triton(*args, out=out)
+    with ops.use_backend("auto"):
+        assert torch.equal(paged_decode_attention(*args, out=out), want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
