@@ -22,7 +22,7 @@ import triton.language as tl
 from mtpfactory import quant
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
 from mtpfactory.errors import MtpfError, WeightsError
-from mtpfactory.ops import Op, check_outs, outs_refusal, write_outs
+from mtpfactory.ops import Op, check_outs, outs_overlap_refusal, outs_refusal, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite, matrix_refusal
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -137,7 +137,7 @@ def quantize_fp8_triton(w: torch.Tensor, name: str = "weight", *,
     on the tensor's absmax before (one more read of `w`), so that a refused call leaves `out` as it was
     without a second copy of the weight's size.
     """
-    if err := weight_refusal(w, name):
+    if err := _quantize_fp8_refusal(w, name, out=out):
         raise err
     return quantize_fp8_launch(w, name, out=out)
 
@@ -187,8 +187,10 @@ def _contract(w: torch.Tensor, name: str = "weight", *,
 quantize_fp8 = Op("quantize_fp8", _quantize_fp8_native, _contract)
 
 
-def _quantize_fp8_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> WeightsError | None:
-    return weight_refusal(w, name)
+def _quantize_fp8_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> MtpfError | None:
+    """`weight_refusal`, and an `out` sharing memory with w: a program writes its rows' codes and scales while
+    other programs still read theirs (neither is ever w itself: another dtype or shape)."""
+    return weight_refusal(w, name) or outs_overlap_refusal(out, _OUT_NAMES, w=w)
 
 
 quantize_fp8.register_provider("triton", quantize_fp8_launch, _quantize_fp8_refusal)

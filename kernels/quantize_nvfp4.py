@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory import quant
-from mtpfactory.errors import InputError, WeightsError
+from mtpfactory.errors import InputError, MtpfError, WeightsError
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits, e4m3_value
 from mtpfactory.kernels.quantize_fp8 import (
     FINITE_LIMIT,
@@ -30,7 +30,7 @@ from mtpfactory.kernels.quantize_fp8 import (
     global_absmax_bits,
     weight_refusal,
 )
-from mtpfactory.ops import Op, check_outs, outs_refusal, write_outs
+from mtpfactory.ops import Op, check_outs, outs_overlap_refusal, outs_refusal, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 from mtpfactory.quant.nvfp4 import E2M1_MAX, NVFP4_BLOCK, nvfp4_matrix_refusal
 _OUT_NAMES = ("weight", "weight_scale", "weight_scale_2")
@@ -97,7 +97,7 @@ def quantize_nvfp4_triton(w: torch.Tensor, name: str = "weight", *,
     refused as the reference refuses it, read off the absmax before the quantizing launch (one sync), so a
     refused call writes nothing.
     """
-    if err := _refusal(w, name):
+    if err := _quantize_nvfp4_refusal(w, name, out=out):
         raise err
     return quantize_nvfp4_launch(w, name, out=out)
 
@@ -148,8 +148,10 @@ def _contract(w: torch.Tensor, name: str = "weight", *,
 quantize_nvfp4 = Op("quantize_nvfp4", _quantize_nvfp4_native, _contract)
 
 
-def _quantize_nvfp4_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> WeightsError | None:
-    return _refusal(w, name)
+def _quantize_nvfp4_refusal(w: torch.Tensor, name: str = "weight", *, out=None) -> MtpfError | None:
+    """`_refusal`, and an `out` sharing memory with w: a program writes its blocks' codes and scales (program 0
+    the global scale) while other programs still read theirs (none is ever w itself: another dtype or shape)."""
+    return _refusal(w, name) or outs_overlap_refusal(out, _OUT_NAMES, w=w)
 
 
 quantize_nvfp4.register_provider("triton", quantize_nvfp4_launch, _quantize_nvfp4_refusal)

@@ -287,6 +287,20 @@ def overlap_refusal(field: str, out: torch.Tensor | None, /, *, in_place: tuple[
     return None
 
 
+def outs_overlap_refusal(out: tuple[torch.Tensor, ...] | None, names: tuple[str, ...], /, *,
+                         in_place: tuple[str, ...] = (), **inputs: torch.Tensor | None) -> InputError | None:
+    """`overlap_refusal` for an op of several results: each `out[i]` checked as `out[i] (names[i])`; None also for
+    no `out`, or one that is not a tuple of as many tensors (`outs_refusal` refuses it, before anything is
+    written)."""
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        return None
+    for i, o in enumerate(out):
+        if isinstance(o, torch.Tensor) and (err := overlap_refusal(f"out[{i}] ({names[i]})", o, in_place=in_place,
+                                                                   **inputs)):
+            return err
+    return None
+
+
 def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and `b` are the same elements: one start, dtype and shape, and the same stride along every dim
     of more than one element (a dim of one has no step to take)."""

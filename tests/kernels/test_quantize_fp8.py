@@ -7,6 +7,7 @@ cases on CUDA and add real sizes (`pytest -m gpu` on the device machine)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from mtpfactory import ops, quant
 from mtpfactory.errors import InputError, WeightsError
 from mtpfactory.kernels.quantize_fp8 import divides_by_reciprocal, quantize_fp8, quantize_fp8_triton
+from backend_refusal import assert_overlap_refused
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -133,6 +135,24 @@ def test_an_out_of_another_arity_or_a_weight_the_kernel_cannot_take_is_refused_b
         for bad in (w[0], w.double(), w[:0]):
             with pytest.raises(WeightsError, match=r"^q_proj=.*a 2-D fp32, bf16 or fp16 \[N, K\] tensor"):
                 quantize_fp8_triton(bad, "q_proj")
+
+
+@pytest.mark.parametrize("i, field", [(0, "out[0] (weight)"), (1, "out[1] (weight_scale)")])
+def test_an_out_sharing_memory_with_the_weight_is_left_to_the_reference(i, field):
+    """The codes laid over the bytes of w's rows 4 on, or the scales over row 4 (9 rows of 1500: three programs
+    of 4 rows, so program 0 wrote into row 4 before program 1 read it): the provider refuses it naming both,
+    writing nothing; `auto` runs the reference, which quantizes before it writes."""
+    w = random_weight(9, 1500, torch.float32, seed=12)
+    over = (w.view(torch.uint8).view(-1)[4 * 4 * 1500:][: 9 * 1500].view(9, 1500).view(torch.float8_e4m3fn),
+            w[4, :9])
+    out = tuple(over[j] if j == i else poisoned(9, 1500, "cpu")[j] for j in range(2))
+    want = quant.quantize_fp8(w.clone())
+    assert_overlap_refused(quantize_fp8, field, "w", w, out=out)
+    with pytest.raises(InputError, match=rf"^{re.escape(field)}='memory shared with w'"):
+        quantize_fp8_triton(w, out=out)
+    with ops.use_backend("auto"):
+        got = quantize_fp8(w, out=out)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -7,6 +7,7 @@ cases on CUDA and add real sizes (`pytest -m gpu` on the device machine)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from mtpfactory import ops, quant
 from mtpfactory.errors import InputError, WeightsError
 from mtpfactory.kernels.quantize_fp8 import divides_by_reciprocal
 from mtpfactory.kernels.quantize_nvfp4 import global_absmax_bits, quantize_nvfp4, quantize_nvfp4_triton
+from backend_refusal import assert_overlap_refused
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -187,6 +189,25 @@ def test_refusals(device):
     with ops.use_backend("triton"), pytest.raises(InputError, match="weight_scale"):
         quantize_nvfp4(torch.ones(2, 32, device=device), out=bad_out)
     assert untouched(bad_out)
+
+
+@pytest.mark.parametrize("i, field", [(0, "out[0] (weight)"), (2, "out[2] (weight_scale_2)")])
+def test_an_out_sharing_memory_with_the_weight_is_left_to_the_reference(i, field):
+    """The codes laid over the bytes of w's rows 2 on, or the global scale over w[2, 0] (4 rows of 1024: two
+    programs of 128 blocks, rows 0-1 and 2-3, so program 0 wrote into row 2 before program 1 read it): the
+    provider refuses it naming both, writing nothing; `auto` runs the reference, which quantizes before it
+    writes."""
+    w = torch.randn(4, 1024, generator=torch.Generator().manual_seed(12))
+    over = (w.view(torch.uint8).view(-1)[2 * 4 * 1024:][: 4 * 512].view(4, 512), None, w[2, 0])
+    out = tuple(over[j] if j == i else poisoned(4, 1024, "cpu")[j] for j in range(3))
+    want = quant.quantize_nvfp4(w.clone())
+    assert_overlap_refused(quantize_nvfp4, field, "w", w, out=out)
+    with pytest.raises(InputError, match=rf"^{re.escape(field)}='memory shared with w'"):
+        quantize_nvfp4_triton(w, out=out)
+    with ops.use_backend("auto"):
+        got = quantize_nvfp4(w, out=out)
+    assert all(torch.equal(g.reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8))
+               for g, r in zip(got, want))
 
 
 @pytest.mark.parametrize("device", DEVICES)
