@@ -55,7 +55,7 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.linear import dot_acc, lowp_dot
 from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, nvfp4_words, permuted_x, words_refusal
-from mtpfactory.ops import Op, out_refusal, outs_refusal, overlap_refusal, write_outs
+from mtpfactory.ops import Op, out_refusal, outs_overlap_refusal, outs_refusal, overlap_refusal, write_outs
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -651,7 +651,7 @@ def moe_route_softmax_triton(router_logits: torch.Tensor, top_k: int, renormaliz
                              out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The reference's contract for the calls `moe_route_softmax_refusal` passes; the others are refused by name
     before anything is written."""
-    if err := moe_route_softmax_refusal(router_logits, top_k):
+    if err := _route_call_refusal(router_logits, top_k, renormalize, out=out):
         raise err
     return _route_launch(router_logits, top_k, renormalize, out=out)
 
@@ -692,8 +692,13 @@ def moe_route_softmax_refusal(router_logits: torch.Tensor, top_k: int) -> InputE
     return None
 
 
-def _route_call_refusal(router_logits, top_k, renormalize, **_) -> InputError | None:
-    return moe_route_softmax_refusal(router_logits, top_k)
+def _route_call_refusal(router_logits, top_k, renormalize, *, out=None) -> InputError | None:
+    """`moe_route_softmax_refusal`, and an `out` sharing memory with the logits but for the weights being the
+    logits themselves (fp32, top_k = E): program n reads its whole row of logits before it writes that row of
+    the weights and ids, and no other program reads the row. Any other overlap (the ids are int64, never the
+    logits) is refused: a program would write into a row that another has yet to read."""
+    return (moe_route_softmax_refusal(router_logits, top_k)
+            or outs_overlap_refusal(out, _ROUTE_OUT_NAMES, in_place=("router_logits",), router_logits=router_logits))
 
 
 @functools.cache
@@ -790,7 +795,7 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=No
                      out=None, workspace=None) -> torch.Tensor:
     """The `fused_moe` reference's contract for the calls `fused_moe_refusal` passes; the others are refused by
     name before anything is written."""
-    if err := fused_moe_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate):
+    if err := _fused_moe_call_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate, out=out):
         raise err
     return _fused_moe_launch(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate, out=out,
                              workspace=workspace)
@@ -807,8 +812,8 @@ def fused_moe_nvfp4_triton(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scal
                            topk_ids, shared_out=None, shared_gate=None, *, out=None, workspace=None) -> torch.Tensor:
     """The `fused_moe_nvfp4` reference's contract for the calls `fused_moe_nvfp4_refusal` passes; the others are
     refused by name before anything is written."""
-    if err := fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global,
-                                      topk_weights, topk_ids, shared_out, shared_gate):
+    if err := _fused_moe_nvfp4_call_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global,
+                                            topk_weights, topk_ids, shared_out, shared_gate, out=out):
         raise err
     return _fused_moe_nvfp4_launch(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
                                    topk_ids, shared_out, shared_gate, out=out, workspace=workspace)
@@ -913,15 +918,34 @@ def fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_sca
     return words_refusal("dn_weight", dn_weight, InputError)
 
 
-def _fused_moe_call_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None,
-                            **_) -> InputError | None:
-    return fused_moe_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate)
+def _moe_out_overlap_refusal(out, topk_weights, topk_ids, shared_out, shared_gate, **down) -> InputError | None:
+    """An `out` sharing memory with what the kernels still read while they write it: the routing and the down
+    experts (`down`, by name), which the down kernel reads while it writes out where it runs as one split (a
+    grid of many programs; with several splits `_moe_blend_kernel` writes out once it has ended, but how many
+    run depends on the GPU); the shared gate, which every program of a row reads; the shared output but for out
+    being it itself (each of its elements is read just before the same program writes that element of out).
+    x and the gate_up experts are read only by the first launch, which ends before any launch writes out: out
+    may overlap them anyhow (the MoE in place over its activations)."""
+    return overlap_refusal("out", out, in_place=("shared_out",), topk_weights=topk_weights, topk_ids=topk_ids,
+                           **down, shared_out=shared_out, shared_gate=shared_gate)
+
+
+def _fused_moe_call_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out=None, shared_gate=None, *,
+                            out=None, workspace=None) -> InputError | None:
+    """`fused_moe_refusal`, and `out` as `_moe_out_overlap_refusal` takes it (the contract checks `workspace`)."""
+    return (fused_moe_refusal(x, w_gate_up, w_down, topk_weights, topk_ids, shared_out, shared_gate)
+            or _moe_out_overlap_refusal(out, topk_weights, topk_ids, shared_out, shared_gate, w_down=w_down))
 
 
 def _fused_moe_nvfp4_call_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
-                                  topk_ids, shared_out=None, shared_gate=None, **_) -> InputError | None:
-    return fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
-                                   topk_ids, shared_out, shared_gate)
+                                  topk_ids, shared_out=None, shared_gate=None, *, out=None,
+                                  workspace=None) -> InputError | None:
+    """`fused_moe_nvfp4_refusal`, and `out` as `_moe_out_overlap_refusal` takes it (the contract checks
+    `workspace`)."""
+    return (fused_moe_nvfp4_refusal(x, gu_weight, gu_scale, gu_global, dn_weight, dn_scale, dn_global, topk_weights,
+                                    topk_ids, shared_out, shared_gate)
+            or _moe_out_overlap_refusal(out, topk_weights, topk_ids, shared_out, shared_gate, dn_weight=dn_weight,
+                                        dn_scale=dn_scale, dn_global=dn_global))
 
 
 moe_route_softmax.register_provider("triton", _route_launch, _route_call_refusal)

@@ -28,7 +28,7 @@ from mtpfactory import ops
 from mtpfactory.errors import ConfigError, InputError, MtpfError
 from mtpfactory.kernels import moe
 from mtpfactory.quant import E2M1_VALUES
-from backend_refusal import assert_backend_refuses
+from backend_refusal import assert_backend_refuses, assert_overlap_refused
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -254,6 +254,36 @@ def test_route_refuses_out_that_does_not_fit(backend):
         with ops.use_backend(backend), pytest.raises(InputError, match=f"^{field}="):
             moe.moe_route_softmax(logits, 2, True, out=out)
         assert all(bool((t == 7).all()) for t in out)
+
+
+def test_route_triton_weights_in_place_on_the_logits():
+    """The weights the logits themselves (fp32, top_k = E): program n reads its whole row of logits before it
+    writes that row of the weights and ids, and no other program reads the row; the provider takes it and gives
+    the reference's answer."""
+    logits = tied_logits(3, 4, torch.Generator().manual_seed(12))
+    want_weights, want_ids = moe.moe_route_softmax(logits, 4, False)
+    ids = torch.full((3, 4), -7, dtype=torch.int64)
+    with ops.use_backend("triton"):
+        weights, got_ids = moe.moe_route_softmax(logits, 4, False, out=(logits, ids))
+    assert weights is logits and got_ids is ids and torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("i, field", [(0, "out[0] (weights)"), (1, "out[1] (ids)")])
+def test_route_outs_sharing_memory_with_the_logits_are_left_to_the_reference(i, field):
+    """The weights one row past the logits' start, or the ids (int64) over the bytes of logit rows 1 and 2:
+    program 0 wrote into row 1 before its program read it. The provider refuses it naming both, writing nothing;
+    `auto` runs the reference, which routes every row before it writes."""
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(13))
+    over = (logits.view(-1)[8:14].view(3, 2), logits.view(-1).view(torch.int64)[4:10].view(3, 2))
+    out = tuple(over[j] if j == i else torch.full((3, 2), -7, dtype=over[j].dtype) for j in range(2))
+    want = moe.moe_route_softmax(logits.clone(), 2, True)
+    assert_overlap_refused(moe.moe_route_softmax, field, "router_logits", logits, 2, True, out=out)
+    with pytest.raises(InputError, match=rf"^{re.escape(field)}='memory shared with router_logits'"):
+        moe.moe_route_softmax_triton(logits, 2, True, out=out)
+    with ops.use_backend("auto"):
+        got = moe.moe_route_softmax(logits, 2, True, out=out)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_route_refuses_more_experts_than_there_are():
@@ -918,6 +948,63 @@ def test_triton_nonfinite_expert_stays_in_its_rows_gpu(e, fmt, where, nvfp4_path
 @FMT_PATHS
 def test_triton_rows_past_int32_offsets_gpu(fmt, nvfp4_path):
     check_far_rows(fmt, "cuda")
+
+
+def _small_moe(seed: int) -> dict:
+    """fused_moe's operands at N = 3, E = 4, top_k 2, H = I = 32, fp32, with the shared blend."""
+    gen = torch.Generator().manual_seed(seed)
+    w_gate_up, w_down = experts(4, 32, 32, torch.float32, gen)
+    weights, ids = routing(3, 4, 2, gen)
+    return dict(x=torch.randn(3, 32, generator=gen), w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights,
+                topk_ids=ids, **shared_inputs(3, 32, torch.float32, gen))
+
+
+@pytest.mark.parametrize("into", ["x", "x a row on", "shared_out"])
+def test_fused_moe_triton_out_over_x_or_in_place_on_the_shared_output(into):
+    """x is read only by the gate_up launch, which ends before any launch writes out, so out may overlap it
+    anyhow (x itself, or a row past its start); each element of the shared output is read just before the same
+    program writes that element of out, so out may be it itself. The provider takes them and gives the
+    reference's answer."""
+    a = _small_moe(14)
+    want = moe.fused_moe.reference(**a)
+    if into == "x a row on":
+        buf = torch.cat([a["x"].flatten(), torch.randn(32)])
+        a["x"], out = buf[:96].view(3, 32), buf[32:].view(3, 32)
+    else:
+        out = a[into]
+    with ops.use_backend("triton"):
+        assert moe.fused_moe(**a, out=out) is out
+    scaled_close(out, want, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("shares", ["shared_out", "topk_weights", "w_down", "dn_weight"])
+def test_an_out_the_kernels_still_read_is_left_to_the_reference(shares):
+    """out a row past the shared output's start (the program writing row 0 overwrote row 1's shared output
+    before it was read: off by 1.06 of the largest), over the routing weights, or over the down experts (NVFP4's
+    codes too), which the down kernel reads while it writes out where it runs as one split (a large grid; this
+    one runs in several, which the blend sums after): the provider refuses it naming both, writing nothing;
+    `auto` runs the reference, which computes before it writes."""
+    a = _small_moe(15)
+    op = moe.fused_moe
+    if shares == "shared_out":
+        buf = torch.cat([a["shared_out"].flatten(), torch.randn(32)])
+        a["shared_out"], out = buf[:96].view(3, 32), buf[32:].view(3, 32)
+    elif shares == "topk_weights":
+        out = torch.randn(3, 32)
+        a["topk_weights"] = out.view(-1)[:6].view(3, 2).copy_(a["topk_weights"])
+    elif shares == "w_down":
+        out = a["w_down"].view(-1)[:96].view(3, 32)
+    else:
+        op = moe.fused_moe_nvfp4
+        del a["w_gate_up"], a["w_down"]
+        a.update(nvfp4_experts(4, 32, 32, torch.Generator().manual_seed(16)))
+        out = a["dn_weight"].view(-1)[: 96 * 4].view(torch.float32).view(3, 32)
+    want = op.reference(**{n: t.clone() for n, t in a.items()})
+    assert_overlap_refused(op, "out", shares, **a, out=out)
+    with pytest.raises(InputError, match=f"^out='memory shared with {shares}'"):
+        (moe.fused_moe_triton if op is moe.fused_moe else moe.fused_moe_nvfp4_triton)(**a, out=out)
+    with ops.use_backend("auto"):
+        assert torch.equal(op(**a, out=out), want)
 
 
 @pytest.mark.parametrize("backend", ["native", "triton"])
