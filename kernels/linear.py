@@ -553,9 +553,19 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, *, split_k: bool = Fals
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype. `split_k` cuts K across programs (tall-skinny
     weights); `out` receives the result; `plan` overrides the tiles (tests, sweeps); `weight_scale` (fp32
     [N]) scales each output column, for FP8 weights."""
-    if err := operand_refusal(x, weight, weight_scale):
+    if err := operand_refusal(x, weight, weight_scale) or out_overlap_refusal(out, x=x, weight=weight,
+                                                                               weight_scale=weight_scale):
         raise err
     return _linear_launch(x, weight, split_k, out, plan, weight_scale)
+
+
+def out_overlap_refusal(out: torch.Tensor | None, **operands: torch.Tensor | None) -> InputError | None:
+    """An `out` of the linears' entry points (`linear_triton`, `linear_nvfp4_triton`; the ops take none) sharing
+    memory with an operand, even out x itself (N = K): the GEMV and dot kernels write their tile of out's columns
+    while other programs still read all of x and their own weight rows and scales (only the split-K reduction
+    writes out after every read of x, and the plan picks which runs)."""
+    return ops.overlap_refusal("out", out, fix="pass an out of its own, or none (the result comes back in a new "
+                               "tensor)", **operands)
 
 
 def _linear_launch(x: torch.Tensor, weight: torch.Tensor, split_k: bool, out: torch.Tensor | None,

@@ -73,6 +73,7 @@ from mtpfactory.kernels.linear import (
     int32_reach,
     k_slices_refusal,
     lowp_dot,
+    out_overlap_refusal,
     partial_buffer,
     plan_for,
     plan_shape_refusal,
@@ -1232,7 +1233,10 @@ def linear_nvfp4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     steps ahead the kernel loads: Triton's own pipeliner does not take loads that feed arithmetic before the
     dot; the fp16-sum GEMVs and the fp16 dot load one step ahead when num_stages > 1. `x_pairs`: x's pass
     already made (`XPairs`, for a plan that runs one): the kernel reads them and the pass is not launched."""
-    if err := operand_refusal(x, weight, weight_scale, weight_scale_2):
+    pairs, exps = (None, None) if x_pairs is None else (x_pairs.pairs, x_pairs.exps)
+    if err := (operand_refusal(x, weight, weight_scale, weight_scale_2)
+               or out_overlap_refusal(out, x=x, weight=weight, weight_scale=weight_scale,
+                                      weight_scale_2=weight_scale_2, **{"x_pairs.pairs": pairs, "x_pairs.exps": exps})):
         raise err
     return _linear_nvfp4_launch(x, weight, weight_scale, weight_scale_2, split_k, out, plan, x_pairs)
 

@@ -28,14 +28,14 @@ def assert_overlap_refused(op, field: str, shares: str, *args, **kwargs) -> None
     op), before it writes anything: every tensor of the call holds what it held."""
     why = op.providers["triton"].refusal(*args, **kwargs)
     assert isinstance(why, InputError) and (why.field, why.value) == (field, f"memory shared with {shares}"), why
-    before = [_bytes(t) for t in ops._tensors(args, kwargs)]
+    before = [storage_bytes(t) for t in ops._tensors(args, kwargs)]
     with ops.use_backend("triton"), pytest.raises(
             ConfigError, match=rf"op {op.name} has no triton provider .*it refuses {re.escape(field)}='memory "
                                rf"shared with {shares}'"):
         op(*args, **kwargs)
-    assert all(torch.equal(_bytes(t), b) for t, b in zip(ops._tensors(args, kwargs), before)), "a refused call wrote"
+    assert all(torch.equal(storage_bytes(t), b) for t, b in zip(ops._tensors(args, kwargs), before)), "a refused call wrote"
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of t's whole storage (NaN compares equal to itself as bytes)."""
-    return torch.tensor([], dtype=torch.uint8).set_(t.untyped_storage()).clone()
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the bytes of t's whole storage (where NaN compares equal to itself)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).clone()

@@ -37,6 +37,7 @@ from mtpfactory.kernels.linear import (
     x_pass_pdl,
 )
 from mtpfactory.kernels.linear_fp8 import linear_fp8
+from backend_refusal import storage_bytes
 from gemv_common import DTYPES, MS, SHAPES, assert_matches, explicit_plans, poisoned
 
 linear_module = importlib.import_module("mtpfactory.kernels.linear")   # the package exports the Op as `linear`
@@ -383,6 +384,19 @@ def test_out_is_checked_and_empty_m():
         with pytest.raises(ValueError, match="out"):
             linear_triton(x, w, out=torch.empty(2, 7, dtype=torch.bfloat16))
         assert linear_triton(x[:0], w).shape == (0, 7)
+
+
+@pytest.mark.parametrize("shares", ["x", "weight"])
+def test_an_out_sharing_memory_with_an_operand_is_refused(shares):
+    """`out`, which only `linear_triton` takes (the op returns a new tensor): x itself (N = K: program 0 wrote
+    its columns of out over x while the next programs still read x, off by 613) or laid over the weight's rows
+    (off by 18) is refused naming both, before anything is written."""
+    x, w = make_inputs(1, 64, 64, torch.float32)
+    out = x if shares == "x" else w.view(-1)[16 * 64:][:64].view(1, 64)
+    before = [storage_bytes(t) for t in (x, w)]
+    with pytest.raises(InputError, match=f"^out='memory shared with {shares}'.*pass an out of its own"):
+        linear_triton(x, w, out=out)
+    assert all(torch.equal(storage_bytes(t), b) for t, b in zip((x, w), before))
 
 
 @pytest.mark.parametrize("capability,pdl", [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)])

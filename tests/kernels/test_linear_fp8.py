@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from mtpfactory import ops
-from mtpfactory.errors import ConfigError
+from mtpfactory.errors import ConfigError, InputError
 from mtpfactory.kernels.linear_fp8 import _linear_fp8_native, linear_fp8, linear_fp8_triton
 from mtpfactory.quant import quantize_fp8
+from backend_refusal import storage_bytes
 from gemv_common import DTYPES, assert_matches, assert_pdl_reads_its_own_x, explicit_plans
 
 linear_module = importlib.import_module("mtpfactory.kernels.linear")   # the package exports the Op `linear`
@@ -78,6 +79,19 @@ def test_out_whose_columns_lie_apart(m):
         linear_fp8_triton(x, weight, scale, out=out_t.T)
     abs_sum = x.float().abs() @ (weight.float().abs() * scale[:, None]).T
     assert_matches(out_t.T, _linear_fp8_native(x, weight, scale), abs_sum)
+
+
+def test_an_out_over_the_scales_is_refused():
+    """`out` (which only the entry point takes) laid one element past the row scales' start: the program of one
+    tile of columns wrote over the next tile's first scale before that tile's program read it (off by 2e5).
+    Refused naming both, before anything is written."""
+    x, weight, scale = make_inputs(2, 33, 48, torch.float32, seed=1)
+    buf = torch.randn(1 + 2 * 33)
+    scale, out = buf[:33].copy_(scale), buf[1:].view(2, 33)
+    before = storage_bytes(out)
+    with pytest.raises(InputError, match="^out='memory shared with weight_scale'"):
+        linear_fp8_triton(x, weight, scale, out=out)
+    assert torch.equal(storage_bytes(out), before)
 
 
 @pytest.mark.parametrize("first,last", [(0, 8), (8, 16), (0, 16)])   # FMA path twice, tl.dot path

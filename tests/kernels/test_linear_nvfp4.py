@@ -40,6 +40,7 @@ from mtpfactory.kernels.linear_nvfp4 import (
     uses_f16_gemv,
 )
 from mtpfactory.quant import dequantize_nvfp4
+from backend_refusal import storage_bytes
 from gemv_common import (
     DTYPES,
     F16_SUM_RTOL,
@@ -386,6 +387,17 @@ def test_operands_are_refused_by_the_provider_as_by_its_predicate():
             with pytest.raises(MtpfError, match=rf"^{name}=.*{what}"):
                 linear_nvfp4_triton(*args, out=out)
         assert out.isnan().all(), name
+
+
+def test_an_out_sharing_memory_with_x_is_refused():
+    """`out` (which only the entry point takes) x itself (N = K): program 0 wrote its columns of out over x
+    while the next programs still read x (off by 1e3 and more). Refused naming both, before anything is
+    written."""
+    x, *w = nvfp4_inputs(2, 64, 64, torch.float32)
+    before = storage_bytes(x)
+    with pytest.raises(InputError, match="^out='memory shared with x'.*pass an out of its own"):
+        linear_nvfp4_triton(x, *w, out=x)
+    assert torch.equal(storage_bytes(x), before)
 
 
 def test_an_out_int32_cannot_index_is_refused():
