@@ -33,7 +33,8 @@ def assert_overlap_refused(op, field: str, shares: str, *args, **kwargs) -> None
             ConfigError, match=rf"op {op.name} has no triton provider .*it refuses {re.escape(field)}='memory "
                                rf"shared with {shares}'"):
         op(*args, **kwargs)
-    assert all(torch.equal(storage_bytes(t), b) for t, b in zip(ops._tensors(args, kwargs), before)), "a refused call wrote"
+    after = [storage_bytes(t) for t in ops._tensors(args, kwargs)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before)), "a refused call wrote"
 
 
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:

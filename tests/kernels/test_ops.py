@@ -206,3 +206,22 @@ def test_an_out_whose_elements_share_memory_is_refused_by_every_backend(case, ba
     with ops.use_backend(backend), pytest.raises(MtpfError, match=shared):
         op(*args, out=out)
     assert torch.equal(out, before)
+
+
+def test_overlap_refusal_takes_an_out_apart_or_in_place_and_names_any_other():
+    """An `out` apart from the inputs, or the same elements as an input named in_place (a dim of one element may
+    have any stride), is taken; any other sharing is refused naming the out field and the input, with the fix."""
+    buf = torch.zeros(4, 8)
+    x, w = buf[:2], buf[3]
+    assert ops.overlap_refusal("out", None, x=x) is None
+    assert ops.overlap_refusal("out", buf[2], x=x, w=w) is None                     # apart
+    assert ops.overlap_refusal("out", x, in_place=("x",), x=x, w=None) is None       # x itself
+    row = buf[:1]
+    assert ops.overlap_refusal("out", row.as_strided((1, 8), (1, 1)), in_place=("x",), x=row) is None
+    for out, shares in ((buf[1:3], "x"), (x.as_strided((2, 8), (1, 2)), "x"), (buf[3:], "w"), (x, "x")):
+        why = ops.overlap_refusal("out", out, in_place=("x",) if out is not x else (), x=x, w=w)
+        assert (why.field, why.value) == ("out", f"memory shared with {shares}"), why
+        assert "pass an out of its own" in why.fix
+    why = ops.outs_overlap_refusal((buf[2], buf[3]), ("a", "b"), w=w)
+    assert (why.field, why.value) == ("out[1] (b)", "memory shared with w")
+    assert ops.outs_overlap_refusal((buf[2],), ("a", "b"), w=w) is None             # outs_refusal's to refuse
