@@ -1024,3 +1024,33 @@ def test_a_workspace_sharing_memory_with_an_operand_is_refused(backend, shares):
         moe.fused_moe(x, w_gate_up, w_down, torch.ones(n, 1), torch.tensor([[2]]), shared_out, torch.zeros(n, 1),
                       out=out, workspace=workspace)
     assert bool(out.isnan().all()) and (shares == "out" or torch.equal(workspace, before))
+
+
+@gpu
+@needs_cuda
+def test_gpu_route_weights_in_place_on_the_logits():
+    """The weights the logits themselves (fp32, top_k = E at the kernel's largest top_k), 4096 rows: bit for bit
+    the provider's answer into buffers of their own."""
+    k = moe.MAX_ROUTED_TOP_K
+    logits = torch.randn(4096, k, generator=torch.Generator("cuda").manual_seed(3), device="cuda")
+    with ops.use_backend("triton"):
+        want_weights, want_ids = moe.moe_route_softmax(logits, k, True)
+        weights, ids = moe.moe_route_softmax(logits, k, True, out=(logits, torch.empty_like(want_ids)))
+    assert weights is logits and torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+
+
+@gpu
+@needs_cuda
+@FMT_PATHS
+@pytest.mark.parametrize("into", ["x", "shared_out"])
+@pytest.mark.parametrize("n", [8, 40])
+def test_gpu_fused_moe_out_over_x_or_in_place_on_the_shared_output(n, into, fmt, nvfp4_path):
+    """out x or the shared output itself at Qwen3-Next's size: bit for bit the provider's answer into a buffer of
+    its own."""
+    e, k, h, i = QWEN3_NEXT.values()
+    op, args = moe_call(fmt, (n, e, k, h, i), torch.bfloat16, torch.Generator("cuda").manual_seed(n))
+    want = run_triton(op, args["x"], {a: t for a, t in args.items() if a != "x"}, k, i)
+    out = args[into]
+    with ops.use_backend("triton"):
+        assert op(**args, out=out) is out
+    assert torch.equal(out, want)

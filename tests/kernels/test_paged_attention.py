@@ -831,3 +831,19 @@ def test_default_tuning_keeps_128_tokens_a_split_and_at_most_64():
     assert _default_tuning(132, 2, 4096, 256, False, None, None) == (16, 3)   # tiles of 256: a split a tile at least
     assert _default_tuning(0, 2, 4096, 32, True, None, None) == (1, 3)        # the CPU: one split
     assert _default_tuning(0, 2, 4096, 32, True, 5, 1) == (5, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1])
+@pytest.mark.parametrize("into", ["q", "gate"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_gpu_in_place_on_q_or_the_gate(kv, into, num_splits):
+    """`out` q or the gate itself at Qwen3-Next's heads, 8 sequences of up to 4000 tokens (the default splits, and
+    one): bit for bit the provider's answer into a buffer of its own."""
+    lens = torch.randint(1000, 4001, (8,), generator=torch.Generator().manual_seed(8)).tolist()
+    args = make_case(8, 16, 2, 256, 16, lens, kv, torch.bfloat16, seed=8, device="cuda")
+    want = run_triton(*args, num_splits=num_splits)
+    out = args[NAMES.index(into)]
+    with ops.use_backend("triton"):
+        assert paged_decode_attention_triton(*args, out=out, num_splits=num_splits) is out
+    assert torch.equal(out, want)

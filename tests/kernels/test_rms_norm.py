@@ -226,3 +226,21 @@ def test_an_eps_that_is_not_a_number_is_left_to_the_reference():
             rms_norm_triton(x, w, eps, False)
     with ops.use_backend("auto"):
         assert torch.equal(rms_norm(x, w, eps, False), rms_norm.reference(x, w, 1e-6, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("out_is, residual_out_is", [("x", "residual"), ("residual", "x")])
+@pytest.mark.parametrize("M, H", [(32, 2048), (512, 7168)])
+def test_gpu_in_place_equals_out_of_place(M, H, out_is, residual_out_is):
+    """The in-place calls `_outs_overlap_refusal` takes, where all of a row's warps run at once: bit for bit the
+    provider's answer into buffers of their own."""
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    x, res = (torch.randn(M, H, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    w = (0.1 * torch.randn(H, device="cuda", generator=gen)).bfloat16()
+    with ops.use_backend("triton"):
+        want_y, want_s = rms_norm(x, w, 1e-6, True, res, out=poisoned(x), residual_out=poisoned(x))
+        operands = {"x": x, "residual": res}
+        y, s = rms_norm(x, w, 1e-6, True, res, out=operands[out_is], residual_out=operands[residual_out_is])
+    assert y is operands[out_is] and s is operands[residual_out_is]
+    assert torch.equal(y, want_y) and torch.equal(s, want_s)

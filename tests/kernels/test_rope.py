@@ -273,3 +273,20 @@ def test_gpu_out_offsets_past_int32():
         y = rope_neox(x, positions, inv_freq, out=out)
     assert y is out
     assert_matches(y, rope_neox.reference(x, positions, inv_freq), x, rd)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("N", [1, 32, 256])
+def test_gpu_in_place_on_the_q_heads_of_a_fused_projection(N):
+    """Qwen3-Next's q heads (16 of 256, 64 rotated) in a fused QKV buffer, out the q heads themselves: bit for bit
+    the provider's answer into a buffer of its own, the K and V heads left as they were."""
+    gen = torch.Generator(device="cuda").manual_seed(N)
+    qkv = torch.randn(N, 16 + 2 * 2, 256, device="cuda", generator=gen).bfloat16()
+    q, kv = qkv[:, :16], qkv[:, 16:].clone()
+    positions = torch.randint(0, 131_072, (N,), device="cuda", generator=gen)
+    inv_freq = rope_inv_freq(64, 1e7).cuda()
+    with ops.use_backend("triton"):
+        want = rope_neox(q, positions, inv_freq, out=torch.full_like(q, float("nan")))
+        assert rope_neox(q, positions, inv_freq, out=q) is q
+    assert torch.equal(q, want) and torch.equal(qkv[:, 16:], kv)
