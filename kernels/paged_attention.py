@@ -316,10 +316,12 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
     A 16-bit or fp32 cache: Triton's 3 stages, the splits rounded up to two programs an SM (rounded down to two was
     2-10% slower from 24 sequences). At `_WAVE_TILES` with a 16-bit q and cache and tf32 dots (`tf32_16bit`, the
     heads' BF16 kernel: 156 registers, so 3 programs an SM), rounded down to those 3 where a split keeps at least
-    `_MIN_SPLIT_TOKENS`: on the H100 sweeps of 2 to 96 sequences of 4096 and 16384 tokens, of the 8 timed cases
-    where that rule and the one before differ, 6 were faster (by up to 1.11x), one a tie and one 2% slower (4
-    sequences of 16384); 8 sequences of 4096, whose splits would be 192 tokens, were 1.07x slower rounded down
-    (BENCHMARKS.md's twenty-fourth and twenty-fifth runs).
+    `_MIN_SPLIT_TOKENS` and there are still 2 splits: on the H100 sweeps of 2 to 96 sequences of 4096 and 16384
+    tokens, of the 8 timed cases where that rule and the one before differ, 6 were faster (by up to 1.11x), one a
+    tie and one 2% slower (4 sequences of 16384); 8 sequences of 4096, whose splits would be 192 tokens, were 1.07x
+    slower rounded down (BENCHMARKS.md's twenty-fourth and twenty-fifth runs). On the H200 (twenty-sixth run) its
+    picks at 3 to 96 and 192 sequences were the fastest split count timed; at 128, one split (a wave 65% full)
+    was 2.8% / 2.6% slower than the rule before's two at 4096 / 16384 tokens, which it now keeps.
 
     An FP8 cache at `_WAVE_TILES`, whose SMs hold 3 programs at one stage and 2 at three (`_fp8_held`): at each
     depth, the splits rounded down to what its SMs hold; of the two, the grid that fills its last wave best, then
@@ -342,7 +344,7 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
 
     if tf32_16bit and tiles == _WAVE_TILES and num_stages in (None, _TRITON_STAGES):
         down = splits_at(_BF16_HELD * sms, True)
-        if _split_len(max_tokens, down, block_n) >= _MIN_SPLIT_TOKENS:
+        if down > 1 and _split_len(max_tokens, down, block_n) >= _MIN_SPLIT_TOKENS:
             return down, _TRITON_STAGES
     if not fp8 or tiles != _WAVE_TILES:
         return splits_at(2 * sms, False), num_stages or (1 if fp8 else _TRITON_STAGES)

@@ -751,15 +751,20 @@ def test_default_tuning_fills_the_waves(sequences, fp8_pick, bf16_pick):
     (12, 4096, (16, 3)),     # 396 / 24 = 16 splits of 256: 384 programs (rounded up: 11)
     (24, 4096, (8, 3)),      # 81.57 us against 6 splits' 87.24 (H100)
     (48, 4096, (4, 3)),      # 148.84 against 3 splits' 165.84
-    (128, 4096, (1, 3)),     # 256 programs of one split (rounded up: 2)
+    (64, 4096, (3, 3)),      # 164.22 us against 2 splits' 189.26 and 4 splits' 199.61 (H200)
+    (96, 4096, (2, 3)),      # 243.74 against 4 splits' 247.65 (H200)
+    (128, 4096, (2, 3)),     # one split left: rounded up, 365.96 us against one split's 376.33 (H200)
+    (192, 4096, (1, 3)),     # 384 programs: one split either way
     (4, 16384, (49, 3)),     # 47 splits of 352 tokens run
     (8, 16384, (24, 3)),     # 104.89 us against 17 splits' 112.65
     (12, 16384, (16, 3)),
+    (16, 16384, (12, 3)),    # 166.02 us against 9 splits' 205.10 (H200)
+    (128, 16384, (2, 3)),    # one split left: rounded up, 1436.36 us against one split's 1473.64 (H200)
 ])
 def test_default_tuning_of_the_16_bit_kernel_rounds_down_to_3_programs_an_sm(sequences, tokens, pick):
     """A 16-bit q and cache with tf32 dots at _WAVE_TILES (3 programs an SM): the splits rounded down to 396 places
-    where a split keeps 256 tokens, else rounded up to 264 as for the other kernels; a depth given other than 3
-    keeps the rule before, whose SMs hold other counts."""
+    where a split keeps 256 tokens and 2 splits are left, else rounded up to 264 as for the other kernels; a depth
+    given other than 3 keeps the rule before, whose SMs hold other counts."""
     assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, None, tf32_16bit=True) == pick
     assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, 3, tf32_16bit=True) == pick
     before = _default_tuning(132, 2 * sequences, tokens, 32, False, None, None)
