@@ -16,8 +16,12 @@ it: one op whose norm makes the GEMV's x pass (`rms_norm_linear_nvfp4`), beside 
 --net also prints each figure without do_bench's fixed cost a replay (see MIN_CALLS): graphs of the C calls
 and of 2C, (T_2C - T_C) / C, beside the floor over the copy bandwidth measured the same way.
 
+While it times, nvidia-smi logs the SM clock, power and the clock-event reasons (`gpu_clocks.py`; into --clocks,
+else a temporary file); after a shape's rows, each row's line of what was logged while its rounds ran (in the
+JSON too), so a board held at a lower clock shows beside its figures.
+
     python3 scripts/bench_kernels.py [--json PATH] [--shapes lm_head_qwen,fc] [--ms 1,8,32] [--rounds 3] [--net]
-        [--no-gemlite]
+        [--no-gemlite] [--clocks CSV]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import json
 import math
 import statistics
 import sys
+import time
 
 import torch
 from triton.testing import do_bench
@@ -38,6 +43,9 @@ from mtpfactory.kernels.linear_nvfp4 import linear_nvfp4_triton
 from mtpfactory.kernels.rms_norm import rms_norm, rms_norm_triton
 from mtpfactory.kernels.rms_norm_linear_nvfp4 import rms_norm_linear_nvfp4_triton
 from mtpfactory.quant import quantize_fp8, quantize_nvfp4
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])   # python3 -P leaves the script's folder off the path
+from gpu_clocks import clock_log, logged, summary  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "lm_head_qwen": (151936, 2048), "lm_head_glm": (154880, 4096), "fc": (2048, 4096), "q_proj": (8192, 2048),
@@ -209,9 +217,10 @@ def providers(w: dict, x: torch.Tensor, gemlite_layers: dict) -> dict:
     return p
 
 
-def bench_shape(name: str, ms: list[int], args, bw: float, bw_net: float | None) -> list[dict]:
-    """Time every provider at every M of one shape in args.rounds alternating rounds; print and return its rows.
-    Everything it allocates (the weight copies, and the calls that hold them) is freed when it returns."""
+def bench_shape(name: str, ms: list[int], args, bw: float, bw_net: float | None, clocks: str | None) -> list[dict]:
+    """Time every provider at every M of one shape in args.rounds alternating rounds; print and return its rows,
+    each with what `clocks` (nvidia-smi's log, or None) holds of the windows its rounds ran in. Everything it
+    allocates (the weight copies, and the calls that hold them) is freed when it returns."""
     n, k = SHAPES[name]
     w = formats(n, k)
     peers = gemlite_peers(w, k) if args.gemlite else {}
@@ -235,15 +244,18 @@ def bench_shape(name: str, ms: list[int], args, bw: float, bw_net: float | None)
                 print(f"# {name} M={m} {pname}: failed ({type(e).__name__}: {str(e)[:120]!r})")
     times = {c: [] for c in cases}
     nets = {c: [] for c in cases}
+    windows = {c: [] for c in cases}
     graphed = {}
     for r, order in alternating(cases, args.rounds):
         for c in order:
+            t0 = time.time()
             try:
                 us, graphed[c], net = graph_time_us(cases[c][1], args.net)
             except Exception as e:  # noqa: BLE001
                 print(f"# {name} M={c[0]} {c[1]}: failed ({type(e).__name__}: {str(e)[:120]!r})")
                 del cases[c]
                 continue
+            windows[c].append((t0, time.time()))
             times[c].append(us)
             nets[c].append(net)
         print(f"# {name}: round {r + 1} of {args.rounds} timed", flush=True)
@@ -263,8 +275,11 @@ def bench_shape(name: str, ms: list[int], args, bw: float, bw_net: float | None)
             line += f"  net {net:9.2f} us, floor {floor_net:8.2f} us {100 * floor_net / net:5.1f}%"
         if not row["cuda_graph"]:
             line += "  NOT COMPARABLE: no graph (launch by launch: host launch cost in, L2 cleared before each call)"
+        row["clocks"] = summary(logged(clocks, windows[(m, pname)])) if clocks else None
         rows.append(row)
         print(line)
+    for row in rows if clocks else ():
+        print(f"{name:13s} M={row['m']:<2d} {row['provider']:33s} while timed: {row['clocks']}")
     lo, hi = min(ms), max(ms)
     for pname in dict.fromkeys(p for _, p in cases):
         if lo < hi and (lo, pname) in cases and (hi, pname) in cases:
@@ -288,6 +303,8 @@ def main() -> int:
                     help="also time graphs of 2C calls and print (T_2C - T_C) / C, without do_bench's fixed cost")
     ap.add_argument("--no-gemlite", dest="gemlite", action="store_false",
                     help="leave gemlite's peers out (building its layers over every weight copy takes a while)")
+    ap.add_argument("--clocks", default=None, help="nvidia-smi's log of the clocks while timing (CSV; default: a "
+                    "temporary file)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: at least 1")
@@ -298,14 +315,17 @@ def main() -> int:
           + f"; {args.rounds} rounds", flush=True)
     ms = [int(v) for v in args.ms.split(",")]
     rows = []
-    for name in args.shapes.split(","):
-        rows += bench_shape(name, ms, args, bw, bw_net)
-        gc.collect()
-        torch.cuda.empty_cache()
-        if args.json:  # after every shape, so a run cut short keeps what it measured
-            with open(args.json, "w") as f:
-                json.dump({"copy_bw": bw, "copy_bw_net": bw_net, "rounds": args.rounds,
-                           "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    with clock_log(args.clocks) as clocks:
+        if clocks is None:
+            print("# no nvidia-smi: the clocks are not logged")
+        for name in args.shapes.split(","):
+            rows += bench_shape(name, ms, args, bw, bw_net, clocks)
+            gc.collect()
+            torch.cuda.empty_cache()
+            if args.json:  # after every shape, so a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"copy_bw": bw, "copy_bw_net": bw_net, "rounds": args.rounds,
+                               "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return 0
 
 

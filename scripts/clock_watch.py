@@ -23,10 +23,8 @@ before it ends: a head start of an estimated 0.5-1 us a call (not measured) that
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -47,45 +45,11 @@ linear_nvfp4 = importlib.import_module("mtpfactory.kernels.linear_nvfp4")
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import MIN_CALLS, SHAPES, copy_bandwidth, formats, graph_time_us, weight_bytes  # noqa: E402
+from gpu_clocks import clock_log, logged, summary  # noqa: E402
 from tune_gemv import time_us  # noqa: E402
 
 FORMATS = {"nvfp4": lambda x, t: linear_nvfp4_triton(x, *t),
            "fp8": lambda x, t: linear_fp8_triton(x, *t, split_k=True)}
-QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
-
-
-def logged(path: str, t0: float, t1: float) -> list[dict]:
-    """nvidia-smi rows whose timestamp lies in [t0, t1] (seconds since the epoch)."""
-    rows = []
-    with open(path) as f:
-        for r in csv.DictReader(f, skipinitialspace=True):
-            try:
-                t = time.mktime(time.strptime(r["timestamp"].split(".")[0], "%Y/%m/%d %H:%M:%S"))
-                t += float("0." + r["timestamp"].split(".")[1]) if "." in r["timestamp"] else 0.0
-            except (KeyError, ValueError):
-                continue
-            if t0 <= t <= t1:
-                rows.append(r)
-    return rows
-
-
-def summary(rows: list[dict]) -> str:
-    """Range of each logged quantity over the rows (header names differ between drivers, so matched by part)."""
-    if not rows:
-        return "no samples"
-
-    def column(part):
-        return next((key for key in rows[0] if part in key), None)
-
-    def span(part):
-        key = column(part)
-        vals = [float(r[key].split()[0]) for r in rows if key and r[key].split() and r[key].split()[0][0].isdigit()]
-        return f"{min(vals):.0f}-{max(vals):.0f}" if vals else "?"
-    reasons = column("reasons")
-    return (f"sm {span('sm')} MHz, mem {span('mem')} MHz, {span('power')} W, {span('temperature')} C, "
-            f"reasons {','.join(sorted({r[reasons] for r in rows})) if reasons else '?'} ({len(rows)} samples)")
-
-
 class _NotLaunched:
     """Stands in for an x's pass kernel: its launches do nothing, so a call times the kernel after it alone
     (on whatever its buffers hold: the values do not change the time)."""
@@ -157,16 +121,13 @@ def main() -> int:
             norm = [lambda made=made: rms_norm_triton(x, x[0], 1e-6, True, res, x_pairs=made)] * MIN_CALLS
             print(f"the final norm alone, M = 1, {'making x pass' if made else 'plain'}: "
                   f"{time_us(norm, 200):.2f} us a launch")
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv", "-lms", "200"],
-                           stdout=open(args.csv, "w"), stderr=subprocess.DEVNULL)
-    time.sleep(1.0)
     # one cuBLAS BF16 peer per round: a plain stream that the clock hypothesis says should not slow down
     xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     results = []
     x_passes = linear_nvfp4._x_f16_pairs_kernel, linear._x_f16_rows_kernel
     lm_head_min = linear_nvfp4.LM_HEAD_MIN_ELEMENTS
     wgmma = linear_nvfp4.WGMMA
-    try:
+    with clock_log(args.csv) as log:
         for r in range(args.rounds):
             # each pair in turn order A B, then B A (three: A B C, then C B A): the one after a heavier launch runs
             # under a lower clock (2026-12-03: up to 3% between identical launches)
@@ -196,14 +157,10 @@ def main() -> int:
             t0 = time.time()
             b_us = time_us([lambda t=t: xb @ t.T for t in w["bf16"]], 200)
             results.append((r, "cublas bf16", b_us, float("nan"), t0, time.time()))
-    finally:
-        time.sleep(0.5)
-        smi.terminate()
-        smi.wait()
     for r, name, us, g_us, t0, t1 in results:
         floor = floor_us[name.split()[0].replace("cublas", "bf16")]
         print(f"round {r:2d} {name:16s} {us:7.2f} us ({floor / us:5.1%}) graph {g_us:7.2f} | "
-              f"{summary(logged(args.csv, t0, t1))}")
+              f"{summary(logged(log, [(t0, t1)]))}")
     for name in list(variants) + ["cublas bf16"]:
         v = [us for _, nm, us, *_ in results if nm == name]
         print(f"{name:16s} median {statistics.median(v):.2f} us, min {min(v):.2f}, max {max(v):.2f}")

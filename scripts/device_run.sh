@@ -91,7 +91,7 @@ if [[ -n "${TUNE_ARGS:-}" ]]; then
 fi
 if [[ "${BENCH:-1}" == 1 ]]; then
   stage bench_kernels "${BENCH_S:-420}" "$OUT/bench.log" \
-    python3 -P scripts/bench_kernels.py --json "$OUT/gemv.json" ${BENCH_ARGS:-}
+    python3 -P scripts/bench_kernels.py --json "$OUT/gemv.json" --clocks "$OUT/bench_clocks.csv" ${BENCH_ARGS:-}
 fi
 if [[ -n "${OPS_ARGS:-}" ]]; then
   stage bench_ops "${OPS_S:-240}" "$OUT/ops.log" python3 -P scripts/bench_ops.py --json "$OUT/ops.json" $OPS_ARGS

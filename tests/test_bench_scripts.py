@@ -6,8 +6,10 @@ only the GPU showed it. Speed is not measured here."""
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 import sys
+import time
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import bench_ops  # noqa: E402
 import compile_sm90  # noqa: E402
+import gpu_clocks  # noqa: E402
 import sweep_attention  # noqa: E402
 
 TOL = 2e-2   # bf16 outputs: max |provider - reference| over max |reference|
@@ -93,3 +96,41 @@ def test_sweep_attention_names_an_unknown_kv_format_and_the_known_ones(monkeypat
 ])
 def test_programs_an_sm_follows_the_sm90_limits(regs, shared, warps, want):
     assert compile_sm90.programs_an_sm(regs, shared, warps) == want
+
+
+FAKE_SMI = """#!/bin/sh
+# nvidia-smi --query-gpu=... --format=csv -lms N, as a driver writes it: a header, then a row a period
+echo "timestamp, clocks.current.sm [MHz], clocks.current.memory [MHz], power.draw [W], temperature.gpu, \
+clocks_event_reasons.active"
+while true; do
+  echo "$(date '+%Y/%m/%d %H:%M:%S').$(date '+%N' | cut -c1-3), $SM MHz, 3201 MHz, 690.12 W, 61, 0x0000000000000004"
+  sleep 0.1
+done
+"""
+
+
+def test_the_clock_log_holds_what_nvidia_smi_wrote_while_a_window_ran(tmp_path, monkeypatch):
+    """`clock_log` runs nvidia-smi (here a stand-in that writes its CSV) while the block runs; `logged` keeps the
+    rows inside a timing's windows and `summary` gives each quantity's range and the reasons seen."""
+    (tmp_path / "nvidia-smi").write_text(FAKE_SMI)
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SM", "1545")
+    with gpu_clocks.clock_log(str(tmp_path / "clocks.csv"), period_ms=100) as log:
+        t0 = time.time()
+        time.sleep(0.6)
+        t1 = time.time()
+    assert log == str(tmp_path / "clocks.csv")
+    rows = gpu_clocks.logged(log, [(t0, t1)])
+    assert 2 <= len(rows) <= 9
+    assert gpu_clocks.summary(rows) == (f"sm 1545-1545 MHz, mem 3201-3201 MHz, 690-690 W, 61-61 C, reasons "
+                                        f"0x0000000000000004 ({len(rows)} samples)")
+    assert gpu_clocks.logged(log, [(t1 + 60, t1 + 61)]) == []
+    assert gpu_clocks.summary([]) == "no clock samples"
+
+
+def test_no_nvidia_smi_logs_nothing(monkeypatch):
+    monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: None)
+    with gpu_clocks.clock_log() as log:
+        assert log is None
+    assert gpu_clocks.logged(None, [(0.0, time.time())]) == []
