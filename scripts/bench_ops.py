@@ -10,10 +10,12 @@ Timing as `bench_kernels.py` does it: the median of `do_bench` over CUDA-graph r
 alternating rounds. The MoE and attention calls each read their own experts or KV blocks (C routings, C block
 ranges), so the L2 holds none of a call's bytes when its turn comes; the small ops reuse one input, as a
 decode step does (what they read was just written). A reference that cannot be captured in a graph (MoE's,
-whose expert loop reads the routing back to the host) is timed launch by launch and marked so.
+whose expert loop reads the routing back to the host) is timed launch by launch and marked so. nvidia-smi logs
+the clocks while it times (`gpu_clocks.py`, into --clocks, else a temporary file), and each row is followed by
+what it logged while that row's rounds ran, as in `bench_kernels.py`.
 
     python3 scripts/bench_ops.py [--ops moe,attention,small] [--ms 1,8,32] [--rounds 3] [--json PATH]
-        [--no-reference]
+        [--no-reference] [--clocks CSV]
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import alternating, copy_bandwidth, graph_time_us, max_rel_err, weight_bytes  # noqa: E402
+from gpu_clocks import clock_log, logged, summary  # noqa: E402
 
 from mtpfactory import ops  # noqa: E402
 from mtpfactory.kernels import moe  # noqa: E402
@@ -217,10 +221,12 @@ def _error(provs: dict, p: str) -> float:
     return float("nan") if got is None else max_rel_err(got, want)
 
 
-def run(cases: list[tuple], bw: float, rounds: int, reference: bool) -> list[dict]:
+def run(cases: list[tuple], bw: float, rounds: int, reference: bool, clocks: str | None = None) -> list[dict]:
     """Time every case's providers in `rounds` alternating rounds; the references (the peers: MoE's takes up
-    to about 0.1 s a call, launch by launch) in the first round only, or not at all without `reference`."""
+    to about 0.1 s a call, launch by launch) in the first round only, or not at all without `reference`. With
+    `clocks` (nvidia-smi's log, `gpu_clocks.clock_log`), each row also says what it logged while its rounds ran."""
     times = {(c, p): [] for c in range(len(cases)) for p in cases[c][3] if reference or p != "reference"}
+    windows = {key: [] for key in times}
     graphed = {}
     errs = {(c, p): _error(provs, p) for c, (_, _, _, provs) in enumerate(cases) for p in provs if p != "reference"}
     for r, order in alternating(list(times), rounds):
@@ -228,11 +234,13 @@ def run(cases: list[tuple], bw: float, rounds: int, reference: bool) -> list[dic
             c, p = key
             if p == "reference" and r > 0:
                 continue
+            t0 = time.time()
             try:
                 us, graphed[key], _ = graph_time_us(cases[c][3][p])
             except Exception as e:  # noqa: BLE001
                 print(f"# {cases[c][0]} {cases[c][1]} {p}: failed ({type(e).__name__}: {str(e)[:160]!r})")
                 continue
+            windows[key].append((t0, time.time()))
             times[key].append(us)
         print(f"# round {r + 1} of {rounds} timed", flush=True)
     rows = []
@@ -245,11 +253,14 @@ def run(cases: list[tuple], bw: float, rounds: int, reference: bool) -> list[dic
                 continue
             us = statistics.median(ts)
             row = dict(op=name, m=m, provider=p, us=us, us_rounds=ts, floor_us=floor, pct_copy_bw=100 * floor / us,
-                       cuda_graph=graphed[(c, p)], peer_us=peer, rel_err=errs.get((c, p), float("nan")))
+                       cuda_graph=graphed[(c, p)], peer_us=peer, rel_err=errs.get((c, p), float("nan")),
+                       clocks=summary(logged(clocks, windows[(c, p)])) if clocks else None)
             rows.append(row)
             print(f"{name:58s} M={m:<3d} {p:10s} {us:9.2f} us ({min(ts):.2f}-{max(ts):.2f})  floor {floor:8.2f} us "
                   f"{row['pct_copy_bw']:5.1f}%  reference {peer:9.2f} us  err {row['rel_err']:.1e}"
                   + ("" if row["cuda_graph"] else "  (launch by launch: not graphed)"), flush=True)
+    for row in rows if clocks else ():
+        print(f"{row['op']:58s} M={row['m']:<3d} {row['provider']:10s} while timed: {row['clocks']}")
     return rows
 
 
@@ -261,6 +272,8 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="leave the references (the peers) out: for runs compared with one that timed them")
+    ap.add_argument("--clocks", default=None, help="nvidia-smi's log of the clocks while timing (CSV; default: a "
+                    "temporary file)")
     args = ap.parse_args()
     known = {"moe": moe_cases, "attention": attention_cases, "small": small_cases}
     groups = args.ops.split(",")
@@ -271,12 +284,15 @@ def main() -> int:
           f"{args.rounds} rounds, {CALLS} calls a replay", flush=True)
     ms = [int(v) for v in args.ms.split(",")]
     rows = []
-    for g in groups:
-        rows += run(known[g](ms), bw, args.rounds, args.reference)
-        torch.cuda.empty_cache()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"copy_bw": bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    with clock_log(args.clocks) as clocks:
+        if clocks is None:
+            print("# no nvidia-smi: the clocks are not logged")
+        for g in groups:
+            rows += run(known[g](ms), bw, args.rounds, args.reference, clocks)
+            torch.cuda.empty_cache()
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"copy_bw": bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return 0
 
 

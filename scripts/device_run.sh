@@ -94,7 +94,7 @@ if [[ "${BENCH:-1}" == 1 ]]; then
     python3 -P scripts/bench_kernels.py --json "$OUT/gemv.json" --clocks "$OUT/bench_clocks.csv" ${BENCH_ARGS:-}
 fi
 if [[ -n "${OPS_ARGS:-}" ]]; then
-  stage bench_ops "${OPS_S:-240}" "$OUT/ops.log" python3 -P scripts/bench_ops.py --json "$OUT/ops.json" $OPS_ARGS
+  stage bench_ops "${OPS_S:-240}" "$OUT/ops.log" python3 -P scripts/bench_ops.py --json "$OUT/ops.json" --clocks "$OUT/ops_clocks.csv" $OPS_ARGS
 fi
 if [[ -n "${SWEEP_ARGS:-}" ]]; then
   stage sweep_wgmma "${SWEEP_S:-300}" "$OUT/sweep.log" python3 -P scripts/sweep_wgmma.py $SWEEP_ARGS

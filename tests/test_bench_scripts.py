@@ -5,6 +5,7 @@ only the GPU showed it. Speed is not measured here."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pathlib
@@ -109,13 +110,18 @@ done
 """
 
 
-def test_the_clock_log_holds_what_nvidia_smi_wrote_while_a_window_ran(tmp_path, monkeypatch):
-    """`clock_log` runs nvidia-smi (here a stand-in that writes its CSV) while the block runs; `logged` keeps the
-    rows inside a timing's windows and `summary` gives each quantity's range and the reasons seen."""
+@pytest.fixture
+def fake_smi(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi first on the PATH, logging an SM clock of 1545 MHz."""
     (tmp_path / "nvidia-smi").write_text(FAKE_SMI)
     (tmp_path / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SM", "1545")
+
+
+def test_the_clock_log_holds_what_nvidia_smi_wrote_while_a_window_ran(tmp_path, fake_smi):
+    """`clock_log` runs nvidia-smi (here a stand-in that writes its CSV) while the block runs; `logged` keeps the
+    rows inside a timing's windows and `summary` gives each quantity's range and the reasons seen."""
     with gpu_clocks.clock_log(str(tmp_path / "clocks.csv"), period_ms=100) as log:
         t0 = time.time()
         time.sleep(0.6)
@@ -134,3 +140,24 @@ def test_no_nvidia_smi_logs_nothing(monkeypatch):
     with gpu_clocks.clock_log() as log:
         assert log is None
     assert gpu_clocks.logged(None, [(0.0, time.time())]) == []
+
+
+def test_bench_ops_gives_each_row_the_clocks_logged_while_it_was_timed(tiny, tmp_path, fake_smi, monkeypatch,
+                                                                       capsys):
+    """bench_ops' loop with the GPU's timing stubbed (each replay 0.2 s, so the stand-in logs a row or two):
+    every row, printed and in the JSON, carries what nvidia-smi logged while it ran."""
+    def timed(calls):
+        time.sleep(0.2)
+        return 1.0, True, float("nan")
+    monkeypatch.setattr(bench_ops, "copy_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(bench_ops, "graph_time_us", timed)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    out = tmp_path / "ops.json"
+    monkeypatch.setattr(sys, "argv", ["bench_ops.py", "--ops", "small", "--ms", "1", "--rounds", "1",
+                                      "--no-reference", "--clocks", str(tmp_path / "clocks.csv"), "--json", str(out)])
+    assert bench_ops.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["clocks"].startswith("sm 1545-1545 MHz") for r in rows)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "while timed: sm 1545-1545 MHz" in line]
+    assert len(lines) == len(rows)
