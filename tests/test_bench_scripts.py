@@ -144,10 +144,10 @@ def test_no_nvidia_smi_logs_nothing(monkeypatch):
 
 def test_bench_ops_gives_each_row_the_clocks_logged_while_it_was_timed(tiny, tmp_path, fake_smi, monkeypatch,
                                                                        capsys):
-    """bench_ops' loop with the GPU's timing stubbed (each replay 0.2 s, so the stand-in logs a row or two):
+    """bench_ops' loop with the GPU's timing stubbed (each replay 0.4 s, so the stand-in logs a few rows):
     every row, printed and in the JSON, carries what nvidia-smi logged while it ran."""
     def timed(calls):
-        time.sleep(0.2)
+        time.sleep(0.4)
         return 1.0, True, float("nan")
     monkeypatch.setattr(bench_ops, "copy_bandwidth", lambda: 1e12)
     monkeypatch.setattr(bench_ops, "graph_time_us", timed)
