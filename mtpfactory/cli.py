@@ -25,6 +25,7 @@ from mtpfactory.errors import ConfigError, MtpfError
 
 log = logging.getLogger("mtpfactory")
 _rows: list[dict[str, str]] = []   # one a run; a sweep's (`-m`) each with "sweep" set
+_swept: set[str] = set()           # the keys this invocation's overrides give several values (`weights=a,b`)
 USAGE = "usage: python -m mtpfactory +head=NAME [group=option ...] [key=value ...] [-m for a sweep]"
 
 
@@ -38,6 +39,12 @@ def _run(cfg: DictConfig) -> None:
     try:  # the demo's own calls can refuse too (a full KV pool, an op with no provider under backend=triton)
         mtpfactory.config.check_keys(cfg)
         mtpfactory.config.resolve(cfg)
+        if {"weights", "weights.source"} & _swept and cfg.weights.source == "synthetic" and cfg.weights.path:
+            # a sweep over the weights' sources: its weights.path is its checkpoint runs' (build_head refuses a
+            # path beside synthetic weights, which a single run means as a checkpoint)
+            log.info("weights.path=%s is read by the sweep's weights=checkpoint runs, not this synthetic one",
+                     cfg.weights.path)
+            cfg.weights.path = None
         _check_demo(cfg)
         row |= _demo(cfg, mtpfactory.build_head(cfg))
     except MtpfError as e:
@@ -187,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     registry.load_entry_points()
     sys.argv = [sys.argv[0], *args]
     _rows.clear()
+    _swept.clear()
+    _swept.update(a.partition("=")[0].lstrip("+~") for a in args if len(set(_values(a))) > 1)
     _run()
     if any("sweep" in r for r in _rows):    # a sweep, even of one run: the table, and exit 0 (refusals are rows)
         print("\n" + _table(_rows))

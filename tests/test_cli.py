@@ -189,3 +189,23 @@ def test_the_demo_cuts_its_prompts_so_the_drafts_fit_max_seq_len():
     row = _demo(cfg, head)
     assert row["result"] == "ok" and len(row["drafts"].split()) == 4
     assert all((s.start, s.end) == (0, 5) for s in head.cache.seqs.values())
+
+
+def test_a_sweep_over_the_weights_sources_gives_its_path_to_the_checkpoint_runs(tmp_path):
+    """`-m weights=synthetic,checkpoint weights.path=DIR`: the path is the checkpoint runs'; the synthetic run
+    leaves it unread, where a run of synthetic weights alone refuses a path (it would go unread: a user who
+    meant the checkpoint forgot weights=checkpoint), as does a sweep that does not vary the weights."""
+    from safetensors.torch import save_file
+    from mtpfactory.weights.synthetic import qwen_mtp_weights
+    cfg = mtpfactory.compose("+head=dense")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({n: t.contiguous() for n, t in qwen_mtp_weights(cfg.model, "dense", seed=3).items()},
+              ckpt / "model.safetensors")
+    run = cli("-m", "+head=dense", "weights=synthetic,checkpoint", f"weights.path={ckpt}", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    table = run.stdout[run.stdout.index("run "):].splitlines()
+    assert len(table) == 2 + 2 and all(row.endswith("| ok") for row in table[2:]), table
+    run = cli("-m", "+head=dense", "quant=bf16,fp8", f"weights.path={ckpt}", cwd=tmp_path)
+    table = run.stdout[run.stdout.index("run "):].splitlines()
+    assert all("refused: weights.path=" in row for row in table[2:]) and len(table) == 2 + 2
