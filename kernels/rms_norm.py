@@ -16,7 +16,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
-from mtpfactory.ops import Op, check_out, number_refusal, out_refusal, overlap_refusal
+from mtpfactory.ops import Op, check_out, number_refusal, out_refusal, outs_apart_refusal, overlap_refusal
 
 
 def residual_refusal(x: torch.Tensor, residual: torch.Tensor | None,
@@ -54,7 +54,8 @@ def _rms_norm_contract(x, weight, eps, zero_centred, residual=None, out=None, re
     """What the reference refuses before anything runs (every provider refuses the same)."""
     return (norm_contract(x, weight, residual, residual_out)
             or out_refusal(out, x.shape, x.dtype, x.device)
-            or out_refusal(residual_out, x.shape, x.dtype, x.device, "residual_out"))
+            or out_refusal(residual_out, x.shape, x.dtype, x.device, "residual_out")
+            or outs_apart_refusal("residual_out", residual_out, out=out))
 
 
 def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
@@ -200,7 +201,8 @@ def _outs_overlap_refusal(x, weight, residual, out, residual_out) -> InputError 
     reads, after it has written the sum."""
     return (overlap_refusal("out", out, in_place=("x", "residual"), x=x, residual=residual, weight=weight)
             or overlap_refusal("residual_out", residual_out, in_place=("x", "residual"), x=x, residual=residual,
-                               weight=weight))
+                               weight=weight)
+            or outs_apart_refusal("residual_out", residual_out, out=out))
 
 
 def _rms_norm_call_refusal(x, weight, eps, zero_centred, residual=None, out=None, residual_out=None):

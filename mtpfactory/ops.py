@@ -350,6 +350,21 @@ def outs_refusal(out: tuple[torch.Tensor, ...] | None, like: tuple[tuple[tuple[i
     for i, (o, (shape, dtype)) in enumerate(zip(out, like)):
         if err := out_refusal(o, shape, dtype, device, f"out[{i}] ({names[i]})", layout):
             return err
+    for j in range(1, len(out)):
+        if err := outs_apart_refusal(f"out[{j}] ({names[j]})", out[j], **{f"out[{i}] ({names[i]})": out[i]
+                                                                          for i in range(j)}):
+            return err
+    return None
+
+
+def outs_apart_refusal(field: str, out: torch.Tensor | None, /, **others: torch.Tensor | None) -> InputError | None:
+    """Why an op cannot return its results in `out` (its argument `field`) and `others` (its other outputs, by
+    name), or None: memory shared with one of them (`overlaps`), where one result would overwrite another under
+    every backend."""
+    for name, t in others.items():
+        if out is not None and t is not None and overlaps(out, t):
+            return InputError(field, f"memory shared with {name}", f"memory apart from {name} (the op returns "
+                              "each result in its own output)", "allocate each output on its own")
     return None
 
 

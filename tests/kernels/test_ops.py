@@ -225,3 +225,35 @@ def test_overlap_refusal_takes_an_out_apart_or_in_place_and_names_any_other():
     why = ops.outs_overlap_refusal((buf[2], buf[3]), ("a", "b"), w=w)
     assert (why.field, why.value) == ("out[1] (b)", "memory shared with w")
     assert ops.outs_overlap_refusal((buf[2],), ("a", "b"), w=w) is None             # outs_refusal's to refuse
+
+
+def _outs_sharing_memory() -> dict:
+    """(op, arguments, the field refused, the outputs) for each op of several results, two of its outputs
+    sharing memory: no backend can return both results."""
+    x, res, w = torch.randn(3, 16), torch.randn(3, 16), torch.randn(16)
+    both = torch.full((3, 16), float("nan"))
+    scores = torch.full((16,), float("nan"))
+    route_out = (scores[:8].view(4, 2), scores.view(torch.int64).view(4, 2))
+    codes = torch.full((4, 32), 7, dtype=torch.uint8)
+    q_out = (codes.view(torch.float8_e4m3fn), codes.view(-1)[:16].view(torch.float32))
+    return {
+        "rms_norm": (mtpfactory.kernels.rms_norm, (x, w, 1e-6, False, res), dict(out=both, residual_out=both),
+                     "residual_out", (both,)),
+        "moe_route_softmax": (mtpfactory.kernels.moe_route_softmax, (torch.randn(4, 8), 2, True),
+                              dict(out=route_out), "out[1] (ids)", route_out),
+        "quantize_fp8": (mtpfactory.kernels.quantize_fp8, (torch.randn(4, 32),), dict(out=q_out),
+                         "out[1] (weight_scale)", q_out),
+    }
+
+
+@pytest.mark.parametrize("backend", ["native", "auto", "triton"])
+@pytest.mark.parametrize("name", ["rms_norm", "moe_route_softmax", "quantize_fp8"])
+def test_outputs_sharing_memory_with_each_other_are_refused_under_every_backend(name, backend):
+    """rms_norm's out and residual_out one buffer, the routing's ids over its weights, the FP8 scales over the
+    codes: one result would overwrite the other whichever provider ran, so each op's contract refuses it, naming
+    the later output and the one it shares memory with, and writes nothing."""
+    op, args, kwargs, field, outs = _outs_sharing_memory()[name]
+    before = [o.clone() for o in outs]
+    with ops.use_backend(backend), pytest.raises(MtpfError, match=rf"^{re.escape(field)}='memory shared with out"):
+        op(*args, **kwargs)
+    assert all(torch.equal(o.view(torch.uint8), b.view(torch.uint8)) for o, b in zip(outs, before))
