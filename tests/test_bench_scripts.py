@@ -69,12 +69,14 @@ def test_sweep_attention_runs_every_variant_against_the_reference(tiny, monkeypa
     monkeypatch.setattr(sweep_attention, "graph_time_us", lambda calls: ([c() for c in calls] and 1.0,))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(sys, "argv", ["sweep_attention.py", "--batches", "1,3", "--splits", "0,2", "--block-n", "16",
-                                      "--stages", "0,2", "--fast-dot", "1", "--rounds", "1",
+    # every list of two at the setups' context; at --context, one variant a KV format (the interpreter's time)
+    lists = ("1,3", "0,2", "0,2") if context is None else ("3", "2", "0")
+    monkeypatch.setattr(sys, "argv", ["sweep_attention.py", "--batches", lists[0], "--splits", lists[1], "--block-n",
+                                      "16", "--stages", lists[2], "--fast-dot", "1", "--rounds", "1",
                                       *(["--context", str(context)] if context else [])])
     assert sweep_attention.main() == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("paged_decode_attention")]
-    assert len(rows) == 3 * 2 * 2 * 2          # KV formats x batches x splits x stages
+    assert len(rows) == 3 * math.prod(len(values.split(",")) for values in lists)   # KV formats x the lists
     assert all(f"context {context or 48} " in row for row in rows)
     assert all(float(row.rsplit("err ", 1)[1]) < TOL for row in rows)
 
