@@ -270,20 +270,21 @@ _OVERLAP_FIX = "pass an out of its own, or call the op under runtime.backend=aut
 
 
 def overlap_refusal(field: str, out: torch.Tensor | None, /, *, in_place: tuple[str, ...] = (),
-                    fix: str = _OVERLAP_FIX, **inputs: torch.Tensor | None) -> InputError | None:
+                    fix: str = _OVERLAP_FIX, why: str | None = None, **inputs: torch.Tensor | None
+                    ) -> InputError | None:
     """Why a provider cannot write `out` (its argument `field`) while its kernels read `inputs` (by name; None for
     one not given), or None (also for no `out`): memory shared with one of them (`overlaps`), which a program
-    would overwrite while another still reads it. An input named in `in_place` may be `out` itself, the same
-    elements (`_same_elements`): the caller's kernels read all they need of an element before writing it, and no
-    other program reads it; any other overlap with it is refused."""
+    would overwrite while another still reads it (`why` words another reason). An input named in `in_place` may
+    be `out` itself, the same elements (`_same_elements`): the caller's kernels read all they need of an element
+    before writing it, and no other program reads it; any other overlap with it is refused."""
     if out is None:
         return None
     for name, t in inputs.items():
         if t is None or not overlaps(out, t) or (name in in_place and _same_elements(out, t)):
             continue
         itself = f", or {name} itself (in place)" if name in in_place else ""
-        return InputError(field, f"memory shared with {name}", f"memory apart from {name}{itself} (the provider's "
-                          f"kernels write {field} while they still use {name})", fix)
+        reason = why or f"the provider's kernels write {field} while they still use {name}"
+        return InputError(field, f"memory shared with {name}", f"memory apart from {name}{itself} ({reason})", fix)
     return None
 
 
@@ -358,14 +359,10 @@ def outs_refusal(out: tuple[torch.Tensor, ...] | None, like: tuple[tuple[tuple[i
 
 
 def outs_apart_refusal(field: str, out: torch.Tensor | None, /, **others: torch.Tensor | None) -> InputError | None:
-    """Why an op cannot return its results in `out` (its argument `field`) and `others` (its other outputs, by
-    name), or None: memory shared with one of them (`overlaps`), where one result would overwrite another under
-    every backend."""
-    for name, t in others.items():
-        if out is not None and t is not None and overlaps(out, t):
-            return InputError(field, f"memory shared with {name}", f"memory apart from {name} (the op returns "
-                              "each result in its own output)", "allocate each output on its own")
-    return None
+    """`overlap_refusal` of an op's output `out` (its argument `field`) against its other outputs (`others`, by
+    name): one result would overwrite another under every backend."""
+    return overlap_refusal(field, out, why="the op returns each result in its own output",
+                           fix="allocate each output on its own", **others)
 
 
 def check_outs(out: tuple[torch.Tensor, ...], like: tuple[tuple[tuple[int, ...], torch.dtype], ...],
