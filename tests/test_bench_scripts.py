@@ -69,8 +69,9 @@ def test_sweep_attention_runs_every_variant_against_the_reference(tiny, monkeypa
     monkeypatch.setattr(sweep_attention, "graph_time_us", lambda calls: ([c() for c in calls] and 1.0,))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    # every list of two at the setups' context; at --context, one variant a KV format (the interpreter's time)
-    lists = ("1,3", "0,2", "0,2") if context is None else ("3", "2", "0")
+    # lists of two at the setups' context (stages one: the interpreter ignores them); at --context, one variant a
+    # KV format (the interpreter's time)
+    lists = ("1,3", "0,2", "2") if context is None else ("3", "2", "0")
     monkeypatch.setattr(sys, "argv", ["sweep_attention.py", "--batches", lists[0], "--splits", lists[1], "--block-n",
                                       "16", "--stages", lists[2], "--fast-dot", "1", "--rounds", "1",
                                       *(["--context", str(context)] if context else [])])
