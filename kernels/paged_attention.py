@@ -295,6 +295,29 @@ _WAVE_TILES = (16, 256, 32, 4)
 
 _BF16_HELD = 3           # programs an SM holds of the 16-bit kernel at _WAVE_TILES, tf32 dots, 3 stages (156 regs)
 _MIN_SPLIT_TOKENS = 256  # the shortest split the 16-bit rounding down takes (192 was 1.07x slower: 8 x 4096)
+_BUSY_WAVE = 0.8         # the fill from which a wave of the 16-bit kernel runs at the copy rate (`_bf16_wave_splits`)
+_WAVE_SPLITS = 8         # the most splits `_bf16_wave_splits` weighs
+
+
+def _bf16_wave_splits(held: int, programs: int, max_tokens: int, block_n: int) -> int:
+    """Splits for the heads' 16-bit kernel where its SMs' `held` places take fewer than two splits of `programs`
+    (sequences x KV heads): of 1 to `_WAVE_SPLITS` splits (each at least `_MIN_SPLIT_TOKENS` long), the fewest of
+    those whose waves take least time, a wave taking its split's length times its programs, or times
+    `_BUSY_WAVE` x `held` where fewer: a wave that full streams the cache as fast as a full one (the H100's one
+    split of 160 sequences, 81% of a wave, 488.71 us, against 7 splits' six waves 94% full, 490.19), and one
+    less full still takes that long (one split of 128 sequences, 65%, 1.24x slower than 3 splits' two waves 97%
+    full). On the H100 sweeps of 100 to 180 sequences of 4096 and 16384 tokens and the H200's of 128 and 192
+    (BENCHMARKS.md's twenty-sixth and twenty-seventh runs), its pick was the fastest split count timed at each
+    but one, where it was not timed (3 splits of 128 x 16384 on the H200)."""
+    busy = int(_BUSY_WAVE * held)
+
+    def cost(splits: int) -> int:
+        length = _split_len(max_tokens, splits, block_n)
+        full, last = divmod(programs * triton.cdiv(max_tokens, length), held)
+        return length * (full * held + (max(last, busy) if last else 0))
+
+    fits = [s for s in range(2, _WAVE_SPLITS + 1) if _split_len(max_tokens, s, block_n) >= _MIN_SPLIT_TOKENS]
+    return min([1, *fits], key=lambda s: (cost(s), s))
 
 
 def _fp8_held(stages: int) -> int:
@@ -320,8 +343,10 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
     tokens, of the 8 timed cases where that rule and the one before differ, 6 were faster (by up to 1.11x), one a
     tie and one 2% slower (4 sequences of 16384); 8 sequences of 4096, whose splits would be 192 tokens, were 1.07x
     slower rounded down (BENCHMARKS.md's twenty-fourth and twenty-fifth runs). On the H200 (twenty-sixth run) its
-    picks at 3 to 96 and 192 sequences were the fastest split count timed; at 128, one split (a wave 65% full)
-    was 2.8% / 2.6% slower than the rule before's two at 4096 / 16384 tokens, which it now keeps.
+    picks at 3 to 96 and 192 sequences were the fastest split count timed. Where those 3 places an SM hold fewer
+    than two splits of the programs (from 100 sequences at 2 KV heads on 132 SMs), `_bf16_wave_splits` weighs
+    the waves of 1 to 8 splits: rounded up to two programs an SM, 100 and 128 sequences took 2 splits, whose
+    second wave is 1% / 29% full, 1.22-1.36x slower than its picks (7 and 3).
 
     An FP8 cache at `_WAVE_TILES`, whose SMs hold 3 programs at one stage and 2 at three (`_fp8_held`): at each
     depth, the splits rounded down to what its SMs hold; of the two, the grid that fills its last wave best, then
@@ -346,6 +371,8 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
         down = splits_at(_BF16_HELD * sms, True)
         if down > 1 and _split_len(max_tokens, down, block_n) >= _MIN_SPLIT_TOKENS:
             return down, _TRITON_STAGES
+        if not num_splits and 2 * programs > _BF16_HELD * sms:
+            return _bf16_wave_splits(_BF16_HELD * sms, programs, max_tokens, block_n), _TRITON_STAGES
     if not fp8 or tiles != _WAVE_TILES:
         return splits_at(2 * sms, False), num_stages or (1 if fp8 else _TRITON_STAGES)
 

@@ -25,9 +25,9 @@ import triton.language as tl
 
 from mtpfactory import ops
 from mtpfactory.errors import InputError, MtpfError
-from mtpfactory.kernels.paged_attention import (_REDUCE_BLOCK_D, _REDUCE_TILE, _default_block_n, _default_tuning,
-                                               _dot_dtype, paged_decode_attention, paged_decode_attention_triton,
-                                               tuning_refusal)
+from mtpfactory.kernels.paged_attention import (_REDUCE_BLOCK_D, _REDUCE_TILE, _bf16_wave_splits, _default_block_n,
+                                               _default_tuning, _dot_dtype, paged_decode_attention,
+                                               paged_decode_attention_triton, tuning_refusal)
 from backend_refusal import assert_backend_refuses, assert_overlap_refused
 
 # The interpreter reads a loop's run-time bound through a deprecated numpy conversion (DESIGN 4).
@@ -753,24 +753,53 @@ def test_default_tuning_fills_the_waves(sequences, fp8_pick, bf16_pick):
     (48, 4096, (4, 3)),      # 148.84 against 3 splits' 165.84
     (64, 4096, (3, 3)),      # 164.22 us against 2 splits' 189.26 and 4 splits' 199.61 (H200)
     (96, 4096, (2, 3)),      # 243.74 against 4 splits' 247.65 (H200)
-    (128, 4096, (2, 3)),     # one split left: rounded up, 365.96 us against one split's 376.33 (H200)
+    (128, 4096, (3, 3)),     # one split left: the waves weighed (below)
     (192, 4096, (1, 3)),     # 384 programs: one split either way
     (4, 16384, (49, 3)),     # 47 splits of 352 tokens run
     (8, 16384, (24, 3)),     # 104.89 us against 17 splits' 112.65
     (12, 16384, (16, 3)),
     (16, 16384, (12, 3)),    # 166.02 us against 9 splits' 205.10 (H200)
-    (128, 16384, (2, 3)),    # one split left: rounded up, 1436.36 us against one split's 1473.64 (H200)
+    (128, 16384, (3, 3)),
 ])
 def test_default_tuning_of_the_16_bit_kernel_rounds_down_to_3_programs_an_sm(sequences, tokens, pick):
     """A 16-bit q and cache with tf32 dots at _WAVE_TILES (3 programs an SM): the splits rounded down to 396 places
-    where a split keeps 256 tokens and 2 splits are left, else rounded up to 264 as for the other kernels; a depth
-    given other than 3 keeps the rule before, whose SMs hold other counts."""
+    where a split keeps 256 tokens and 2 splits are left, else rounded up to 264 as for the other kernels where
+    they hold two splits or more, and the waves weighed where fewer; a depth given other than 3 keeps the rule
+    before, whose SMs hold other counts."""
     assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, None, tf32_16bit=True) == pick
     assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, 3, tf32_16bit=True) == pick
     before = _default_tuning(132, 2 * sequences, tokens, 32, False, None, None)
     assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, 1, tf32_16bit=True) == (before[0], 1)
     other = (16, 128, 32, 4)
     assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, None, other, tf32_16bit=True) == before
+
+
+@pytest.mark.parametrize("sequences, tokens, pick", [
+    (99, 4096, 2),       # 198 programs: 396 places hold two splits, rounded down
+    (100, 4096, 7),      # 320.12 us against 2 splits' 414.92, 3's 338.81, 5's 325.82 (H100)
+    (128, 4096, 3),      # 377.51 against 2's 468.22, 7's 401.55 (H100); 335.64 against 1's 376.33, 2's 365.96 (H200)
+    (160, 4096, 1),      # 488.71 against 7's 490.19, 2's 508.98 (H100)
+    (180, 4096, 1),      # 520.69 against 2's 530.83 (H100)
+    (192, 4096, 1),      # 481.39 against 2's 491.20 (H200)
+    (100, 16384, 7),     # 1192.60 against 2's 1625.44, 5's 1226.27 (H100)
+    (128, 16384, 3),     # 1445.48 against 2's 1759.77, 7's 1519.82 (H100)
+    (100, 300, 1),       # no split of 256 tokens in 300
+])
+def test_default_tuning_of_the_16_bit_kernel_weighs_the_waves_where_its_sms_hold_fewer_than_two_splits(
+        sequences, tokens, pick):
+    """From 100 sequences at 2 KV heads the 396 places of 132 SMs hold fewer than two splits: of 1 to 8 splits
+    of at least 256 tokens, the fewest whose waves take least time, a wave under 80% full counted as 80%."""
+    assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, None, tf32_16bit=True) == (pick, 3)
+    assert _bf16_wave_splits(396, 2 * sequences, tokens, 32) == pick
+    assert _default_tuning(132, 2 * sequences, tokens, 32, False, 5, None, tf32_16bit=True) == (5, 3)  # given
+
+
+def test_the_waves_weighed_count_a_wave_under_80_percent_full_as_80_percent():
+    """396 places, 4096 tokens, 32 a tile: one split of 316 programs fills one wave 79.8%, counted as 80% (316
+    places); 7 splits of 608 tokens run 6 waves, the last 59% full, counted as 80% too."""
+    assert _bf16_wave_splits(396, 316, 4096, 32) == 1     # 4096 x 316 against 608 x (5 x 396 + 316): 1.29M, 1.40M
+    assert _bf16_wave_splits(396, 200, 4096, 32) == 7     # 4096 x 316 against 608 x (3 x 396 + 316): 1.29M, 0.91M
+    assert _bf16_wave_splits(396, 396, 4096, 32) == 1     # a full wave
 
 
 @pytest.mark.parametrize("sequences, tokens, tie", [(16, 4096, (12, 1)), (32, 4096, (6, 1)), (56, 4096, (3, 1)),
