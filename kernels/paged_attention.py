@@ -296,7 +296,7 @@ _WAVE_TILES = (16, 256, 32, 4)
 _BF16_HELD = 3           # programs an SM holds of the 16-bit kernel at _WAVE_TILES, tf32 dots, 3 stages (156 regs)
 _MIN_SPLIT_TOKENS = 256  # the shortest split the 16-bit rounding down takes (192 was 1.07x slower: 8 x 4096)
 _BUSY_WAVE = 0.8         # the fill from which a wave of the 16-bit kernel runs at the copy rate (`_bf16_wave_splits`)
-_WAVE_SPLITS = 8         # the most splits `_bf16_wave_splits` weighs
+_WAVE_SPLITS = 7         # the most splits `_bf16_wave_splits` weighs (8 was the fastest at none of 11 shapes)
 
 
 def _bf16_wave_splits(held: int, programs: int, max_tokens: int, block_n: int) -> int:
@@ -305,10 +305,12 @@ def _bf16_wave_splits(held: int, programs: int, max_tokens: int, block_n: int) -
     those whose waves take least time, a wave taking its split's length times its programs, or times
     `_BUSY_WAVE` x `held` where fewer: a wave that full streams the cache as fast as a full one (the H100's one
     split of 160 sequences, 81% of a wave, 488.71 us, against 7 splits' six waves 94% full, 490.19), and one
-    less full still takes that long (one split of 128 sequences, 65%, 1.24x slower than 3 splits' two waves 97%
-    full). On the H100 sweeps of 100 to 180 sequences of 4096 and 16384 tokens and the H200's of 128 and 192
-    (BENCHMARKS.md's twenty-sixth and twenty-seventh runs), its pick was the fastest split count timed at each
-    but one, where it was not timed (3 splits of 128 x 16384 on the H200)."""
+    less full still takes that long (on the H200, one split of 128 sequences, 65% of a wave, 1.12x slower than 3
+    splits' two waves 97% full). Timed on the H100 at 100 to 320 sequences of 4096 tokens and 100 to 136 of 16384, and on the H200 at
+    128 and 192 of 4096 (BENCHMARKS.md's twenty-sixth and twenty-seventh runs): at 17 of the 19 shapes whose
+    pick was timed it was the fastest split count timed, at the other two 1.003x and 1.014x slower than it.
+    The cap of 7 was set after that sweep: at 8, 118 and 320 sequences of 4096 took 8 splits, 1.03x and 1.05x
+    slower than the fastest."""
     busy = int(_BUSY_WAVE * held)
 
     def cost(splits: int) -> int:
@@ -345,8 +347,9 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
     slower rounded down (BENCHMARKS.md's twenty-fourth and twenty-fifth runs). On the H200 (twenty-sixth run) its
     picks at 3 to 96 and 192 sequences were the fastest split count timed. Where those 3 places an SM hold fewer
     than two splits of the programs (from 100 sequences at 2 KV heads on 132 SMs), `_bf16_wave_splits` weighs
-    the waves of 1 to 8 splits: rounded up to two programs an SM, 100 and 128 sequences took 2 splits, whose
-    second wave is 1% / 29% full, 1.22-1.36x slower than its picks (7 and 3).
+    the waves of 1 to 7 splits. Rounded up to two programs an SM as before, 100 to 131 sequences took 2 splits
+    and more took one, leaving a last wave 1-65% full: at the 15 shapes of 100 to 320 sequences where the two
+    differ and both were timed, that was 1.04-1.36x slower on the H100 and 1.09x on the H200.
 
     An FP8 cache at `_WAVE_TILES`, whose SMs hold 3 programs at one stage and 2 at three (`_fp8_held`): at each
     depth, the splits rounded down to what its SMs hold; of the two, the grid that fills its last wave best, then
