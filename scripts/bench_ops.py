@@ -165,6 +165,7 @@ def attention_setups(ms: list[int], kvs: tuple[str, ...] = tuple(KV_FORMATS), co
             yield (f"paged_decode_attention {KV_FORMATS[kv]} KV, {hq}/{hkv} heads x {d}, context {ctx}", b,
                    b * ctx * per_token + 3 * nbytes(q),
                    [(q, kc, vc, tables[c], lens, d ** -0.5, gate, ks, vs) for c in range(CALLS)])
+            del kc, vc, ks, vs   # the next caches are built with these freed, where the caller let go of them too
 
 
 def attention_cases(ms: list[int]) -> list[tuple]:

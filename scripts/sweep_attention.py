@@ -71,7 +71,7 @@ def main() -> int:
                   f"{'fast' if f else 'fp32'} stages {'-' if st is None else st}  {us:8.2f} us "
                   f"({min(ts):.2f}-{max(ts):.2f})  floor {floor:7.2f} us {100 * floor / us:5.1f}%  "
                   f"err {errs[v]:.1e}", flush=True)
-        del calls, times
+        del calls, times, operands, want   # so the next batch's caches are built in the memory these held
         torch.cuda.empty_cache()
     return 0
 
