@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, out_or_empty, out_refusal, overlap_refusal, write_out
+from mtpfactory.ops import Op, cdiv, next_power_of_2, out_or_empty, out_refusal, overlap_refusal, write_out
 
 
 def _argmax_shape_refusal(logits: torch.Tensor) -> InputError | None:
@@ -96,8 +96,8 @@ def _chunk_for(V: int, chunk: int | None) -> int:
     """The launch's chunk: `chunk` capped at V; None: `_CHUNK`, or, for V past 65535 * 2048, the least power of
     two that cuts V into at most 65535 chunks."""
     if chunk is None:
-        chunk = max(_CHUNK, triton.next_power_of_2(triton.cdiv(V, _MAX_CHUNKS)))
-    return min(chunk, triton.next_power_of_2(V))
+        chunk = max(_CHUNK, next_power_of_2(cdiv(V, _MAX_CHUNKS)))
+    return min(chunk, next_power_of_2(V))
 
 
 def argmax_refusal(logits: torch.Tensor, chunk: int | None = None) -> InputError | None:
@@ -125,9 +125,9 @@ def argmax_refusal(logits: torch.Tensor, chunk: int | None = None) -> InputError
     if chunk < 1 or chunk & (chunk - 1) or _chunk_for(V, chunk) > tl.TRITON_MAX_TENSOR_NUMEL:
         return InputError("chunk", chunk, f"a power of two, at most {tl.TRITON_MAX_TENSOR_NUMEL} once capped at V "
                           f"= {V} (one tl.arange)", "leave chunk=None (the op's)")
-    if triton.cdiv(V, _chunk_for(V, chunk)) > _MAX_CHUNKS:
+    if cdiv(V, _chunk_for(V, chunk)) > _MAX_CHUNKS:
         return InputError("chunk", chunk, f"at most {_MAX_CHUNKS} chunks of V = {V} (the grid's second dimension)",
-                          f"use chunk >= {triton.next_power_of_2(triton.cdiv(V, _MAX_CHUNKS))}")
+                          f"use chunk >= {next_power_of_2(cdiv(V, _MAX_CHUNKS))}")
     return None
 
 
@@ -146,7 +146,7 @@ def argmax_launch(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: 
     if B == 0:
         return y
     chunk = _chunk_for(V, chunk)
-    n_chunks = triton.cdiv(V, chunk)
+    n_chunks = cdiv(V, chunk)
     if n_chunks == 1:
         _argmax_chunk_kernel[(B, 1)](logits, logits.stride(0), V, y, y, y, y.stride(0), 1, CHUNK=chunk,
                                      SINGLE=True)
@@ -156,7 +156,7 @@ def argmax_launch(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: 
     _argmax_chunk_kernel[(B, n_chunks)](logits, logits.stride(0), V, part_val, part_idx, y, y.stride(0),
                                         n_chunks, CHUNK=chunk, SINGLE=False)
     _argmax_partials_kernel[(B,)](part_val, part_idx, y, y.stride(0), n_chunks, V,
-                                  BLOCK=triton.next_power_of_2(n_chunks))
+                                  BLOCK=next_power_of_2(n_chunks))
     return y
 
 

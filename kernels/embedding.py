@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, check_indices, out_or_empty, overlap_refusal, write_out
+from mtpfactory.ops import Op, cdiv, check_indices, next_power_of_2, out_or_empty, overlap_refusal, write_out
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -61,7 +61,7 @@ _MAX_ROW_PROGRAMS = 65535   # grid axis 1 (blocks of a row)
 
 def _row_block(table: torch.Tensor) -> int:
     """BLOCK_H: 4 KiB of a row a program, or the whole row where it is shorter."""
-    return min(triton.next_power_of_2(table.shape[1]), 4096 // table.element_size())
+    return min(next_power_of_2(table.shape[1]), 4096 // table.element_size())
 
 
 def embedding_refusal(ids: torch.Tensor, table: torch.Tensor) -> InputError | None:
@@ -88,7 +88,7 @@ def embedding_refusal(ids: torch.Tensor, table: torch.Tensor) -> InputError | No
     if ids.shape[0] > _MAX_TOKENS:
         return InputError("ids", f"{ids.shape[0]} ids", f"at most {_MAX_TOKENS} (the grid's first dimension)",
                           "gather them in parts")
-    if triton.cdiv(table.shape[1], _row_block(table)) > _MAX_ROW_PROGRAMS:
+    if cdiv(table.shape[1], _row_block(table)) > _MAX_ROW_PROGRAMS:
         return InputError("table", f"{table.dtype} {list(table.shape)}",
                           f"rows in at most {_MAX_ROW_PROGRAMS} programs of {_row_block(table)} elements (the "
                           "grid's second dimension)",
@@ -114,7 +114,7 @@ def embedding_launch(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor |
         return y
     bits = _INT_OF_SIZE[table.element_size()]
     block = _row_block(table)
-    _embedding_kernel[(N, triton.cdiv(H, block))](ids.contiguous(), table.view(bits), y.view(bits), table.shape[0],
+    _embedding_kernel[(N, cdiv(H, block))](ids.contiguous(), table.view(bits), y.view(bits), table.shape[0],
                                                   H, table.stride(0), y.stride(0), y.stride(1), BLOCK_H=block,
                                                   num_warps=4)
     return y

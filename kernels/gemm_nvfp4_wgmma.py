@@ -31,7 +31,6 @@ import dataclasses
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
@@ -41,6 +40,8 @@ from triton.language.extra.cuda import gdc_wait
 
 from mtpfactory.kernels.linear import tma_layout_refusal
 from mtpfactory.kernels.linear_nvfp4 import _E2M1X8_F16_SCALED_PTX, wgmma_operand_refusal
+from mtpfactory.ops import cdiv
+
 
 def block_m(m: int) -> int:
     """Rows of x a program for M rows (the wgmma N: 8, 16 or 32; rows past M are zero-filled)."""
@@ -334,7 +335,7 @@ def gemm_nvfp4_wgmma(x16: torch.Tensor, exps: torch.Tensor, words: torch.Tensor,
     bm = block_m(m)
     tile = tile or TILES[bm]
     s32 = scale_bits.view(torch.int32)
-    _gemm_nvfp4_wgmma_kernel[(triton.cdiv(n, tile.bn),)](
+    _gemm_nvfp4_wgmma_kernel[(cdiv(n, tile.bn),)](
         TensorDescriptor.from_tensor(x16, [bm, tile.bk], X_SMEM), exps,
         TensorDescriptor.from_tensor(words, [tile.bn, tile.bk // 8], W_SMEM),
         TensorDescriptor.from_tensor(s32, [tile.bn, tile.bk // 64], S_SMEM), scale_2, out, m, n, k,

@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mtpfactory import ops
 from mtpfactory.errors import InputError, MtpfError, WeightsError
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
-from mtpfactory.ops import Op
+from mtpfactory.ops import Op, cdiv, next_power_of_2
 
 MAX_M = 32
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -171,9 +171,9 @@ def make_plan(m: int, n: int, k: int, block_n: int, block_k: int, splits: int = 
     """A plan with explicit tiles (the planner, tests and tuning sweeps); K is cut into `splits` slices of
     whole BLOCK_K chunks (fewer when K has fewer chunks)."""
     block_m = block_m or _block_m(m)
-    k_chunks = max(1, triton.cdiv(k, block_k))
-    k_per_split = triton.cdiv(k_chunks, max(1, min(splits, k_chunks))) * block_k
-    splits = max(1, triton.cdiv(k, k_per_split))                   # no empty slice
+    k_chunks = max(1, cdiv(k, block_k))
+    k_per_split = cdiv(k_chunks, max(1, min(splits, k_chunks))) * block_k
+    splits = max(1, cdiv(k, k_per_split))                   # no empty slice
     return GemvPlan(block_m, block_n, block_k, splits, k_per_split, num_warps, num_stages, swap_ab, tma=tma)
 
 
@@ -202,11 +202,11 @@ def plan_for(m: int, n: int, k: int, split_k: bool, tiles: TileTable = TILES_16B
     min_tiles, min_bn, max_bk, programs = ((tiles.min_tiles, 1, tiles.max_block_k_fma, _SM_COUNT_H200) if gemv
                                            else (tiles.min_tiles_dot, tiles.min_block_n_dot, tiles.max_block_k_dot,
                                                  tiles.dot_programs))
-    while triton.cdiv(n, bn) < min_tiles and bn > min_bn:
+    while cdiv(n, bn) < min_tiles and bn > min_bn:
         bn, bk = bn // 2, min(2 * bk, max_bk)
-    bk = min(bk, max(tiles.min_block_k, triton.next_power_of_2(max(k, 1))))
-    n_tiles = triton.cdiv(n, bn)
-    splits = min(triton.cdiv(programs, n_tiles), _MAX_SPLITS) if split_k else 1
+    bk = min(bk, max(tiles.min_block_k, next_power_of_2(max(k, 1))))
+    n_tiles = cdiv(n, bn)
+    splits = min(cdiv(programs, n_tiles), _MAX_SPLITS) if split_k else 1
     return make_plan(m, n, k, bn, bk, splits=splits, block_m=bm, num_warps=tile.warps, num_stages=tile.stages,
                      swap_ab=tile.swap_ab and not gemv and bn >= 64)
 
@@ -401,7 +401,7 @@ def _splitk_reduce_kernel(part_ptr, scale_ptr, out_ptr, M, N, splits, stride_om,
 
 def x_scan_block(span: int, cap: int = 8192) -> int:
     """BLOCK for `x_exponent` and x's passes: the whole span of x in one load, up to `cap` elements."""
-    return min(triton.next_power_of_2(span), cap)
+    return min(next_power_of_2(span), cap)
 
 
 # Triton 3.6 on NVIDIA GPUs: a `tl.dot` of 16-bit or fp32 operands takes K >= 16 (`min_dot_size`; the
@@ -490,7 +490,7 @@ def splitk_reduce(part: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | N
     """Finish a split-K launch: out = sum over slices of `part` [SPLIT, M, N] (times the scale)."""
     splits, m, n = part.shape
     block = 256
-    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+    _splitk_reduce_kernel[(cdiv(m * n, block),)](
         part, part if scale is None else scale, out, m, n, splits, out.stride(0), out.stride(1),
         SCALE=scale_mode, BLOCK=block, num_warps=4)
 
@@ -604,12 +604,12 @@ def _linear_launch(x: torch.Tensor, weight: torch.Tensor, split_k: bool, out: to
     if plan.tma:
         xd = TensorDescriptor.from_tensor(x, [plan.block_m, plan.block_k])
         wd = TensorDescriptor.from_tensor(weight, [plan.block_n, plan.block_k])
-        _linear_tma_kernel[(triton.cdiv(n, plan.block_n),)](
+        _linear_tma_kernel[(cdiv(n, plan.block_n),)](
             xd, wd, out, m, n, k, out.stride(0), out.stride(1), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
             BLOCK_K=plan.block_k, LOWP_DOT=lowp_dot(x), num_warps=plan.num_warps, num_stages=plan.num_stages)
         return out
     part = partial_buffer(plan, m, n, x)
-    grid = (triton.cdiv(n, plan.block_n), plan.splits)
+    grid = (cdiv(n, plan.block_n), plan.splits)
     x_op, exps, pdl = x, out, False
     if scaled and plan.use_dot and x.dtype == torch.bfloat16 and n * k >= F16_DOT_MIN_ELEMENTS:
         x_op = torch.empty((m, k), dtype=torch.float16, device=x.device)

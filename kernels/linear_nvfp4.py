@@ -86,7 +86,7 @@ from mtpfactory.kernels.linear import (
     x_refusal,
     x_scan_block,
 )
-from mtpfactory.ops import Op, out_or_empty
+from mtpfactory.ops import Op, cdiv, out_or_empty
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
 
 
@@ -1008,7 +1008,7 @@ class XPairs:
     @classmethod
     def empty(cls, m: int, k: int, k_per_split: int, device: torch.device, order: int = 0) -> "XPairs":
         return cls(torch.empty((m, k // 2), dtype=torch.int32, device=device),
-                   torch.empty((m, triton.cdiv(k, k_per_split)), dtype=torch.int32, device=device), k_per_split,
+                   torch.empty((m, cdiv(k, k_per_split)), dtype=torch.int32, device=device), k_per_split,
                    order)
 
     def fill(self, x: torch.Tensor, pdl: bool = False) -> "XPairs":
@@ -1023,7 +1023,7 @@ class XPairs:
     def check(self, m: int, k: int, k_per_split: int, device: torch.device, order: int = 0) -> None:
         """Refuse pairs that are not those of x [m, k] in slices of k_per_split and the given order, naming
         what differs."""
-        want = ((m, k // 2), (m, triton.cdiv(k, k_per_split)), k_per_split, order)
+        want = ((m, k // 2), (m, cdiv(k, k_per_split)), k_per_split, order)
         got = (tuple(self.pairs.shape), tuple(self.exps.shape), self.k_per_split, self.order)
         if (got != want or self.pairs.dtype != torch.int32 or self.exps.dtype != torch.int32
                 or not (self.pairs.is_contiguous() and self.exps.is_contiguous())
@@ -1292,7 +1292,7 @@ def _run_planned(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         x_pairs.check(m, k, plan.k_per_split, x.device, order)
     part = partial_buffer(plan, m, n, x)                              # None for the wgmma kernel: one slice
     scale_2 = weight_scale_2.reshape(1)
-    grid = (triton.cdiv(n, plan.block_n), plan.splits)
+    grid = (cdiv(n, plan.block_n), plan.splits)
     pairs, exps = words, words                                       # read only with x's pass
     pdl = x_pass and x_pass_pdl(x)
     if x_pairs is not None:

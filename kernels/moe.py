@@ -55,7 +55,8 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.linear import dot_acc, lowp_dot
 from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, nvfp4_words, permuted_x, words_refusal
-from mtpfactory.ops import Op, out_refusal, outs_overlap_refusal, outs_refusal, overlap_refusal, write_outs
+from mtpfactory.ops import (Op, cdiv, next_power_of_2, out_refusal, outs_overlap_refusal, outs_refusal, overlap_refusal,
+                            write_outs)
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -669,7 +670,7 @@ def _route_launch(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
         torch.empty(n, top_k, dtype=torch.int64, device=logits.device))
     if n:
         _moe_route_softmax_kernel[(n,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
-                                        KP=triton.next_power_of_2(top_k), BE=triton.next_power_of_2(e),
+                                        KP=next_power_of_2(top_k), BE=next_power_of_2(e),
                                         RENORM=bool(renormalize))
     return weights, ids
 
@@ -713,8 +714,8 @@ def _tiles(hidden: int, inter: int, nvfp4: bool) -> dict:
     (BH over H, BI_K over I) at least 32 wide (a dot needs 16), and for NVFP4 whole words of 8 codes and
     16-element blocks: K tiles of up to 256, as the NVFP4 GEMM's dot kernel takes."""
     widest = 256 if nvfp4 else 128
-    return dict(BI=32, BHO=64, BH=min(widest, max(32, triton.next_power_of_2(hidden))),
-                BI_K=min(widest, max(32, triton.next_power_of_2(inter))), warps=4)
+    return dict(BI=32, BHO=64, BH=min(widest, max(32, next_power_of_2(hidden))),
+                BI_K=min(widest, max(32, next_power_of_2(inter))), warps=4)
 
 
 def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_gate, out, workspace, nvfp4):
@@ -738,22 +739,22 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     sg = shared_gate if has_shared else x
     if nvfp4 and n <= GEMV_MAX_ROWS:
         return _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shared)
-    bm = min(32, max(16, triton.next_power_of_2(n)))      # rows per group; a dot needs 16
-    groups = triton.cdiv(n, bm)
+    bm = min(32, max(16, next_power_of_2(n)))      # rows per group; a dot needs 16
+    groups = cdiv(n, bm)
     # A group's candidates: its (row, slot) pairs, or every expert id when there are fewer experts.
     cand = min(n, bm) * top_k
     by_expert = w_gu.shape[0] < cand
     cand = w_gu.shape[0] if by_expert else cand
-    consts = dict(C=cand, TOP_K=top_k, KP=triton.next_power_of_2(top_k), BM=bm, BY_EXPERT=by_expert, NVFP4=nvfp4,
+    consts = dict(C=cand, TOP_K=top_k, KP=next_power_of_2(top_k), BM=bm, BY_EXPERT=by_expert, NVFP4=nvfp4,
                   ACT=ACT_DTYPES[x.dtype], INTERP=x.device.type == "cpu", LOWP_DOT=lowp_dot(x), USE_ASM=x.is_cuda)
     t = _tiles(hidden, inter, nvfp4)
     s_strides = (s_gu.stride(0), s_gu.stride(1)) if nvfp4 else (0, 0)
-    _moe_gate_up_kernel[(groups * cand, triton.cdiv(inter, t["BI"]))](
+    _moe_gate_up_kernel[(groups * cand, cdiv(inter, t["BI"]))](
         x, ids, w_gu, s_gu, g_gu, h, n, hidden, inter, w_gu.shape[0], x.stride(0), w_gu.stride(0), w_gu.stride(1),
         *s_strides, BI=t["BI"], BH=t["BH"], num_warps=t["warps"], **consts)
     # The down kernel walks a group's candidates one after another; split them over programs until the
     # grid has a few programs per SM, then sum the fp32 partials in a fixed order.
-    tiles = triton.cdiv(hidden, t["BHO"])
+    tiles = cdiv(hidden, t["BHO"])
     split = max(1, min(cand, MAX_SPLIT, (4 * _sm_count(x.device)) // (groups * tiles)))
     part = torch.empty(split, n, hidden, dtype=torch.float32, device=x.device) if split > 1 else out
     strides = (so.stride(0), sg.stride(0), out.stride(0))
@@ -763,7 +764,7 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
         w_dn.stride(1), *s_strides, *strides, SPLIT=split, BHO=t["BHO"], BI=t["BI_K"], HAS_SHARED=has_shared,
         PARTIAL=split > 1, num_warps=t["warps"], **consts)
     if split > 1:
-        _moe_blend_kernel[(n, triton.cdiv(hidden, 128))](
+        _moe_blend_kernel[(n, cdiv(hidden, 128))](
             part, so, sg, out, n, hidden, split, part.stride(0), *strides, BM=1, BHO=128, HAS_SHARED=has_shared,
             ACT=consts["ACT"], INTERP=consts["INTERP"])
     return out
@@ -774,18 +775,18 @@ def _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shar
     of each row's slots in order (deterministic)."""
     w_gu, s_gu, g_gu, w_dn, s_dn, g_dn = tensors
     n, hidden = x.shape
-    consts = dict(TOP_K=top_k, KP=triton.next_power_of_2(top_k), ACT=ACT_DTYPES[x.dtype],
+    consts = dict(TOP_K=top_k, KP=next_power_of_2(top_k), ACT=ACT_DTYPES[x.dtype],
                   INTERP=x.device.type == "cpu", USE_ASM=x.is_cuda)
     bi, bk = GEMV_TILES["gate_up"]
-    _moe_gate_up_gemv_kernel[(n * top_k, triton.cdiv(inter, bi))](
+    _moe_gate_up_gemv_kernel[(n * top_k, cdiv(inter, bi))](
         x, ids, w_gu, s_gu, g_gu, h, hidden, inter, w_gu.shape[0], x.stride(0), w_gu.stride(0), w_gu.stride(1),
         s_gu.stride(0), s_gu.stride(1), BI=bi, BH=bk, num_warps=4, **consts)
     bho, bk = GEMV_TILES["down"]
     part = torch.empty(top_k, n, hidden, dtype=torch.float32, device=x.device)
-    _moe_down_gemv_kernel[(n * top_k, triton.cdiv(hidden, bho))](
+    _moe_down_gemv_kernel[(n * top_k, cdiv(hidden, bho))](
         h, ids, tw, w_dn, s_dn, g_dn, part, n, hidden, inter, w_dn.shape[0], w_dn.stride(0), w_dn.stride(1),
         s_dn.stride(0), s_dn.stride(1), BHO=bho, BI=bk, num_warps=4, **consts)
-    _moe_blend_kernel[(n, triton.cdiv(hidden, 128))](
+    _moe_blend_kernel[(n, cdiv(hidden, 128))](
         part, so, sg, out, n, hidden, top_k, part.stride(0), so.stride(0), sg.stride(0), out.stride(0), BM=1, BHO=128,
         HAS_SHARED=has_shared, ACT=consts["ACT"], INTERP=consts["INTERP"])
     return out

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, check_indices, number_refusal, out_or_empty, out_refusal, overlap_refusal, write_out
+from mtpfactory.ops import (Op, cdiv, check_indices, next_power_of_2, number_refusal, out_or_empty, out_refusal,
+                            overlap_refusal, write_out)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
@@ -285,7 +286,7 @@ def _paged_decode_reduce_kernel(
 def _split_len(max_tokens: int, splits: int, block_n: int) -> int:
     """Tokens a split: `splits` asked for, rounded up to whole tiles (so the count run, `cdiv(max_tokens,
     split_len)`, may be fewer: no split left empty for every row)."""
-    return triton.cdiv(triton.cdiv(max_tokens, splits), block_n) * block_n
+    return cdiv(cdiv(max_tokens, splits), block_n) * block_n
 
 
 # The tiles (G_PAD, D_PAD, block_n, num_warps) an FP8 cache's wave rule was timed and its `_fp8_held` counts read
@@ -306,16 +307,17 @@ def _bf16_wave_splits(held: int, programs: int, max_tokens: int, block_n: int) -
     `_BUSY_WAVE` x `held` where fewer: a wave that full streams the cache as fast as a full one (the H100's one
     split of 160 sequences, 81% of a wave, 488.71 us, against 7 splits' six waves 94% full, 490.19), and one
     less full still takes that long (on the H200, one split of 128 sequences, 65% of a wave, 1.12x slower than 3
-    splits' two waves 97% full). Timed on the H100 at 100 to 320 sequences of 4096 tokens and 100 to 136 of 16384, and on the H200 at
-    128 and 192 of 4096 (BENCHMARKS.md's twenty-sixth and twenty-seventh runs): at 17 of the 19 shapes whose
-    pick was timed it was the fastest split count timed, at the other two 1.003x and 1.014x slower than it.
+    splits' two waves 97% full). Timed on the H100 at 100 to 320 sequences of 4096 tokens and 100 to 136 of
+    16384, and on the H200 at 128 and 192 of 4096 (BENCHMARKS.md's twenty-sixth and twenty-seventh runs): at 17
+    of the 19 shapes whose pick was timed it was the fastest split count timed, at the other two 1.003x and
+    1.014x slower than it.
     The cap of 7 was set after that sweep: at 8, 118 and 320 sequences of 4096 took 8 splits, 1.03x and 1.05x
     slower than the fastest."""
     busy = int(_BUSY_WAVE * held)
 
     def cost(splits: int) -> int:
         length = _split_len(max_tokens, splits, block_n)
-        full, last = divmod(programs * triton.cdiv(max_tokens, length), held)
+        full, last = divmod(programs * cdiv(max_tokens, length), held)
         return length * (full * held + (max(last, busy) if last else 0))
 
     fits = [s for s in range(2, _WAVE_SPLITS + 1) if _split_len(max_tokens, s, block_n) >= _MIN_SPLIT_TOKENS]
@@ -381,8 +383,8 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
 
     def fill(stages: int) -> tuple[float, int]:
         held = _fp8_held(stages) * sms
-        grid = programs * triton.cdiv(max_tokens, _split_len(max_tokens, splits_at(held, True), block_n))
-        waves = triton.cdiv(grid, held)
+        grid = programs * cdiv(max_tokens, _split_len(max_tokens, splits_at(held, True), block_n))
+        waves = cdiv(grid, held)
         return grid / (waves * held), -waves  # equal fractions divide to equal floats (IEEE rounding)
 
     order = (1, _TRITON_STAGES) if unit_scales else (_TRITON_STAGES, 1)   # a tie keeps the first
@@ -427,8 +429,8 @@ _REDUCE_TILE = 8192                        # a reduce step's [splits, G_PAD, dim
 
 def _pads(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
     """(G_PAD, D_PAD): a group's q heads and a head's dims, each a power of two of at least 16 (tl.dot)."""
-    return (max(16, triton.next_power_of_2(q.shape[1] // k_cache.shape[2])),
-            max(16, triton.next_power_of_2(q.shape[2])))
+    return (max(16, next_power_of_2(q.shape[1] // k_cache.shape[2])),
+            max(16, next_power_of_2(q.shape[2])))
 
 
 def _whole(x: object) -> bool:
@@ -611,7 +613,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                          (g_pad, d_pad, block_n, num_warps), unit_scales=k_scale is None,
                                          tf32_16bit=not (fp8 or exact) and dot_dtype == tl.float32)
     split_len = _split_len(max_tokens, splits, block_n)
-    splits = triton.cdiv(max_tokens, split_len)  # no split left empty for every row
+    splits = cdiv(max_tokens, split_len)  # no split left empty for every row
     if splits > 1:
         pacc = torch.empty(b, hkv, splits, g_pad, d_pad, dtype=torch.float32, device=q.device)
         pm = torch.empty(b, hkv, splits, g_pad, dtype=torch.float32, device=q.device)
@@ -637,7 +639,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         num_stages=num_stages, **consts)
     if splits > 1:
         block_d = min(d_pad, _REDUCE_BLOCK_D)
-        chunk = max(1, min(triton.next_power_of_2(splits), _REDUCE_TILE // (g_pad * block_d)))
+        chunk = max(1, min(next_power_of_2(splits), _REDUCE_TILE // (g_pad * block_d)))
         _paged_decode_reduce_kernel[(b, hkv, d_pad // block_d)](pacc, pm, pl, gt, out, *gt.stride(), *out.stride(),
                                                                 BLOCK_D=block_d, NUM_SPLITS=splits, CHUNK=chunk,
                                                                 num_warps=4, **consts)

@@ -22,7 +22,7 @@ import triton.language as tl
 from mtpfactory import quant
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
 from mtpfactory.errors import MtpfError, WeightsError
-from mtpfactory.ops import Op, check_outs, outs_overlap_refusal, outs_refusal, write_outs
+from mtpfactory.ops import Op, cdiv, check_outs, next_power_of_2, outs_overlap_refusal, outs_refusal, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite, matrix_refusal
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -80,8 +80,8 @@ def global_absmax_bits(x: torch.Tensor, *, block: int = 4096, max_programs: int 
     """int32 0-dim tensor: the fp32 bits of max |x| over contiguous `x` (above 0x7F800000: a NaN or Inf)."""
     acc = torch.zeros((), dtype=torch.int32, device=x.device)
     numel = x.numel()
-    iters = triton.cdiv(triton.cdiv(numel, block), max_programs)
-    _absmax_kernel[(triton.cdiv(numel, iters * block),)](x, acc, numel, iters, BLOCK=block)
+    iters = cdiv(cdiv(numel, block), max_programs)
+    _absmax_kernel[(cdiv(numel, iters * block),)](x, acc, numel, iters, BLOCK=block)
     return acc
 
 
@@ -156,9 +156,9 @@ def quantize_fp8_launch(w: torch.Tensor, name: str = "weight", *,
         if int(global_absmax_bits(x)) >= FINITE_LIMIT:
             check_finite(w, name)
         q, scale = out
-    block_k = min(triton.next_power_of_2(k), 1024)
-    block_m = min(triton.next_power_of_2(n), max(1, 4096 // block_k))
-    _quantize_fp8_kernel[(triton.cdiv(n, block_m),)](
+    block_k = min(next_power_of_2(k), 1024)
+    block_m = min(next_power_of_2(n), max(1, 4096 // block_k))
+    _quantize_fp8_kernel[(cdiv(n, block_m),)](
         x, q.view(torch.uint8), scale, n, k,
         INV_448=fp32_reciprocal(FP8_E4M3_MAX), BY_RECIPROCAL=divides_by_reciprocal(w.device.type),
         BLOCK_M=block_m, BLOCK_K=block_k)

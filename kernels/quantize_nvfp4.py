@@ -30,7 +30,7 @@ from mtpfactory.kernels.quantize_fp8 import (
     global_absmax_bits,
     weight_refusal,
 )
-from mtpfactory.ops import Op, check_outs, outs_overlap_refusal, outs_refusal, write_outs
+from mtpfactory.ops import Op, cdiv, check_outs, outs_overlap_refusal, outs_refusal, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite
 from mtpfactory.quant.nvfp4 import E2M1_MAX, NVFP4_BLOCK, nvfp4_matrix_refusal
 _OUT_NAMES = ("weight", "weight_scale", "weight_scale_2")
@@ -120,7 +120,7 @@ def quantize_nvfp4_launch(w: torch.Tensor, name: str = "weight", *,
     if int(amax) >= FINITE_LIMIT:
         check_finite(w, name)
     n_blocks, blocks = n * (k // NVFP4_BLOCK), 128
-    _quantize_nvfp4_kernel[(triton.cdiv(n_blocks, blocks),)](
+    _quantize_nvfp4_kernel[(cdiv(n_blocks, blocks),)](
         x, amax, q, scale.view(torch.uint8), global_scale, n_blocks,
         INV_6=fp32_reciprocal(E2M1_MAX), INV_2688=fp32_reciprocal(E2M1_MAX * FP8_E4M3_MAX),
         BY_RECIPROCAL=divides_by_reciprocal(w.device.type), BLOCKS=blocks)

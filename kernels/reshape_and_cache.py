@@ -8,7 +8,7 @@ import triton.language as tl
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, check_indices
+from mtpfactory.ops import Op, cdiv, check_indices, next_power_of_2
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
 
@@ -156,9 +156,9 @@ _MAX_HEAD_PROGRAMS = 65535                 # grid axis 1 (blocks of heads)
 def _blocks(k_heads: int, k_dim: int, v_heads: int, v_dim: int) -> tuple[int, int, int]:
     """(BLOCK_HEADS, BLOCK_KD, BLOCK_VD) of a launch: a head's K and V row each in one block, as many heads a
     program as keep its tiles near 4096 elements."""
-    block_kd, block_vd = triton.next_power_of_2(max(k_dim, 1)), triton.next_power_of_2(max(v_dim, 1))
+    block_kd, block_vd = next_power_of_2(max(k_dim, 1)), next_power_of_2(max(v_dim, 1))
     heads = max(k_heads, v_heads, 1)
-    return min(triton.next_power_of_2(heads), max(1, 4096 // max(block_kd, block_vd))), block_kd, block_vd
+    return min(next_power_of_2(heads), max(1, 4096 // max(block_kd, block_vd))), block_kd, block_vd
 
 
 def reshape_and_cache_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -203,7 +203,7 @@ def reshape_and_cache_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     (n, k_heads, k_dim), (v_heads, v_dim) = k.shape, v.shape[1:]
     block_heads = _blocks(k_heads, k_dim, v_heads, v_dim)[0]
     if (n > _MAX_TOKENS or max(k_dim, v_dim) > _MAX_BLOCK
-            or triton.cdiv(max(k_heads, v_heads), block_heads) > _MAX_HEAD_PROGRAMS):
+            or cdiv(max(k_heads, v_heads), block_heads) > _MAX_HEAD_PROGRAMS):
         return InputError("k", f"[N, kv_heads, D] = {list(k.shape)}, v {list(v.shape)}",
                           f"N <= {_MAX_TOKENS} and heads in at most {_MAX_HEAD_PROGRAMS} programs of {block_heads} "
                           f"(the grid), D <= {_MAX_BLOCK} (one row in a program)",
@@ -233,7 +233,7 @@ def reshape_and_cache_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
         return
     block_heads, block_kd, block_vd = _blocks(k_heads, k_dim, v_heads, v_dim)
     nb, bs = k_cache.shape[:2]
-    _reshape_and_cache_kernel[(N, triton.cdiv(max(k_heads, v_heads), block_heads))](
+    _reshape_and_cache_kernel[(N, cdiv(max(k_heads, v_heads), block_heads))](
         k, v, k_cache, v_cache, slots.contiguous(), nb * bs, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_heads, k_dim, v_heads, v_dim, BLOCK_HEADS=block_heads, BLOCK_KD=block_kd, BLOCK_VD=block_vd,
         num_warps=4)

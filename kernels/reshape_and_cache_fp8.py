@@ -21,7 +21,7 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
 from mtpfactory.kernels.reshape_and_cache import (cache_dims_refusal, check_slots, kv_rows_refusal, rows_refusal,
                                                   slot_dtype_refusal, write_slots)
-from mtpfactory.ops import Op
+from mtpfactory.ops import Op, next_power_of_2
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, to_e4m3
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # 448, readable inside @triton.jit
@@ -183,7 +183,7 @@ def reshape_and_cache_fp8_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: tor
             return InputError(name, f"on {t.device}", f"on k's device, {k.device} (the kernel reads and writes "
                               "there)", f"pass {name} on k's device")
     n, hkv, d = k.shape
-    if n > _MAX_TOKENS or triton.next_power_of_2(hkv) * triton.next_power_of_2(d) > _MAX_BLOCK:
+    if n > _MAX_TOKENS or next_power_of_2(hkv) * next_power_of_2(d) > _MAX_BLOCK:
         return InputError("k", f"[N, kv_heads, D] = {list(k.shape)}",
                           f"N <= {_MAX_TOKENS} (the grid) and kv_heads x D, each rounded up to a power of two, at "
                           f"most {_MAX_BLOCK} (a token's heads in a program)",
@@ -221,7 +221,7 @@ def reshape_and_cache_fp8_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torc
         *k.stride(), *v.stride(), *kc.stride(), *vc.stride(),
         *(k_scale.stride() if k_scale is not None else (0, 0, 0)),
         *(v_scale.stride() if v_scale is not None else (0, 0, 0)),
-        KV_HEADS=hkv, H_PAD=triton.next_power_of_2(hkv), HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
+        KV_HEADS=hkv, H_PAD=next_power_of_2(hkv), HEAD_DIM=d, D_PAD=next_power_of_2(d),
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, num_warps=4)
 
 

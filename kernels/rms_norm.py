@@ -16,7 +16,8 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
-from mtpfactory.ops import Op, check_out, number_refusal, out_refusal, outs_apart_refusal, overlap_refusal
+from mtpfactory.ops import (Op, check_out, next_power_of_2, number_refusal, out_refusal, outs_apart_refusal,
+                            overlap_refusal)
 
 
 def residual_refusal(x: torch.Tensor, residual: torch.Tensor | None,
@@ -181,7 +182,7 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
                              "`planned_x_pairs`")
         x_pairs.check(M, H, x_pairs.k_per_split, x.device, x_pairs.order)
     if M:
-        block = triton.next_power_of_2(H)
+        block = next_power_of_2(H)
         warps = 4 if block < 2048 else 8 if block < 8192 else 16
         pairs, exps = (y, y) if x_pairs is None else (x_pairs.pairs, x_pairs.exps)
         _rms_norm_kernel[(M,)](x, x if residual is None else residual, weight, y, y if s is None else s,

@@ -9,7 +9,7 @@ from triton.language.extra import libdevice
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, out_or_empty, out_refusal, overlap_refusal, write_out
+from mtpfactory.ops import Op, cdiv, next_power_of_2, out_or_empty, out_refusal, overlap_refusal, write_out
 
 
 def _rope_neox_shape_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> InputError | None:
@@ -116,9 +116,9 @@ _MAX_HEAD_PROGRAMS = 65535                 # grid axis 1 (blocks of heads)
 def _rope_blocks(heads: int, d: int, half: int) -> tuple[int, int, int]:
     """(BLOCK_HEADS, BLOCK_HALF, BLOCK_REST) of a launch: the rotated half and the pass-through tail each in one
     block, as many heads a program as keep its tiles near 4096 elements."""
-    block_half = triton.next_power_of_2(max(half, 1))
-    block_rest = triton.next_power_of_2(max(d - 2 * half, 1))
-    return min(triton.next_power_of_2(heads), max(1, 4096 // max(block_half, block_rest))), block_half, block_rest
+    block_half = next_power_of_2(max(half, 1))
+    block_rest = next_power_of_2(max(d - 2 * half, 1))
+    return min(next_power_of_2(heads), max(1, 4096 // max(block_half, block_rest))), block_half, block_rest
 
 
 def rope_neox_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> InputError | None:
@@ -149,7 +149,7 @@ def rope_neox_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
             return InputError(name, f"on {t.device}", f"on x's device, {x.device} (the kernel reads it there)",
                               f"pass {name}.to(x.device)")
     block_heads = _rope_blocks(heads, d, inv_freq.numel())[0]
-    if d > _MAX_BLOCK or n > _MAX_TOKENS or triton.cdiv(heads, block_heads) > _MAX_HEAD_PROGRAMS:
+    if d > _MAX_BLOCK or n > _MAX_TOKENS or cdiv(heads, block_heads) > _MAX_HEAD_PROGRAMS:
         return InputError("x", f"[N, heads, D] = {list(x.shape)}",
                           f"D <= {_MAX_BLOCK} (one head in a program), N <= {_MAX_TOKENS} and heads in at most "
                           f"{_MAX_HEAD_PROGRAMS} programs of {block_heads} (the grid)",
@@ -176,7 +176,7 @@ def rope_neox_launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
         return y
     half = inv_freq.numel()
     block_heads, block_half, block_rest = _rope_blocks(heads, D, half)
-    _rope_neox_kernel[(N, triton.cdiv(heads, block_heads))](
+    _rope_neox_kernel[(N, cdiv(heads, block_heads))](
         x, positions.contiguous(), inv_freq.contiguous(), y, heads, D, half, x.stride(0), x.stride(1), *y.stride(),
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, BLOCK_REST=block_rest, LIBDEVICE_TRIG=x.is_cuda,
         num_warps=4, enable_fp_fusion=False)  # no FMA contraction: fp32 rounds each product, as torch does

@@ -257,3 +257,11 @@ def test_outputs_sharing_memory_with_each_other_are_refused_under_every_backend(
     with ops.use_backend(backend), pytest.raises(MtpfError, match=rf"^{re.escape(field)}='memory shared with out"):
         op(*args, **kwargs)
     assert all(torch.equal(o.view(torch.uint8), b.view(torch.uint8)) for o, b in zip(outs, before))
+
+
+def test_the_host_cdiv_and_next_power_of_2_are_tritons():
+    """`ops.cdiv` / `ops.next_power_of_2` stand in for Triton's in the launchers (whose wrappers cost microseconds a
+    call in Triton 3.6): the same integers, from 0 and negatives up past 2^20."""
+    values = [*range(-5, 1100), 4095, 4096, 4097, 151936, (1 << 20) - 1, 1 << 20, (1 << 20) + 1]
+    assert [ops.next_power_of_2(n) for n in values] == [triton.next_power_of_2(n) for n in values]
+    assert all(ops.cdiv(a, b) == triton.cdiv(a, b) for a in values for b in (1, 2, 3, 7, 16, 128, 4096))
