@@ -12,6 +12,8 @@ several (flash-decoding, for long contexts and few sequences) each split stores 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -332,6 +334,7 @@ def _fp8_held(stages: int) -> int:
     return 3 if stages == 1 else 2
 
 
+@functools.lru_cache(maxsize=1024)   # its arguments repeat from step to step; the wave rule costs 11 us
 def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8: bool, num_splits: int | None,
                     num_stages: int | None, tiles: tuple[int, int, int, int] = _WAVE_TILES, *,
                     unit_scales: bool = False, tf32_16bit: bool = False) -> tuple[int, int]:
