@@ -312,9 +312,8 @@ def _bf16_wave_splits(held: int, programs: int, max_tokens: int, block_n: int) -
     splits' two waves 97% full). Timed on the H100 at 100 to 320 sequences of 4096 tokens and 100 to 136 of
     16384, and on the H200 at 128 and 192 of 4096 (BENCHMARKS.md's twenty-sixth and twenty-seventh runs): at 17
     of the 19 shapes whose pick was timed it was the fastest split count timed, at the other two 1.003x and
-    1.014x slower than it.
-    The cap of 7 was set after that sweep: at 8, 118 and 320 sequences of 4096 took 8 splits, 1.03x and 1.05x
-    slower than the fastest."""
+    1.014x slower than it. The cap of 7 was set after that sweep: with a cap of 8, 118 and 320 sequences of 4096
+    took 8 splits, 1.03x and 1.05x slower than the fastest."""
     busy = int(_BUSY_WAVE * held)
 
     def cost(splits: int) -> int:
