@@ -55,8 +55,8 @@ from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.linear import dot_acc, lowp_dot
 from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, nvfp4_words, permuted_x, words_refusal
-from mtpfactory.ops import (Op, cdiv, next_power_of_2, out_refusal, outs_overlap_refusal, outs_refusal, overlap_refusal,
-                            write_outs)
+from mtpfactory.ops import (Op, broadcasts_to, cdiv, next_power_of_2, out_refusal, outs_overlap_refusal,
+                            outs_refusal, overlap_refusal, write_outs)
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -207,15 +207,6 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
-    if shape == target:
-        return True
-    try:
-        return torch.broadcast_shapes(shape, target) == target
-    except RuntimeError:
-        return False
-
-
 def _route_shape_refusal(router_logits: torch.Tensor, top_k: int) -> InputError | None:
     """Why the routing cannot take these logits and top_k, or None: logits [N, E], top_k a Python int,
     1 <= top_k <= E."""
@@ -248,7 +239,7 @@ def _moe_shape_refusal(x, topk_weights, topk_ids, shared_out, shared_gate) -> In
                           "weight for each of topk_ids", "pass the weights moe_route_softmax returned with these ids")
     for name, t, shape in (("shared_out", shared_out, f"[N, H] = [{n}, {h}]"),
                            ("shared_gate", shared_gate, f"[N, 1] = [{n}, 1], a gate logit a row")):
-        if t is not None and not _broadcasts_to(t.shape, x.shape):
+        if t is not None and not broadcasts_to(t.shape, x.shape):
             return InputError(name, _desc(t), f"{shape} (x is {_desc(x)})",
                               f"pass the shared expert's {name.removeprefix('shared_')} for x's rows")
     if shared_gate is not None and shared_gate.dim() != 2:

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import (Op, cdiv, check_indices, next_power_of_2, number_refusal, out_or_empty, out_refusal,
-                            overlap_refusal, write_out)
+from mtpfactory.ops import (Op, broadcasts_to, cdiv, check_indices, next_power_of_2, number_refusal, out_or_empty,
+                            out_refusal, overlap_refusal, write_out)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
@@ -70,18 +70,11 @@ def _shape_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return InputError("context_lens", f"{context_lens.dtype} {list(context_lens.shape)}",
                           f"a [B] tensor, a token count a sequence of q's B = {b}",
                           "pass each sequence's count of tokens to attend")
-    if gate is not None and not _broadcasts_to(gate.shape, q.shape):
+    if gate is not None and not broadcasts_to(gate.shape, q.shape):
         return InputError("gate", f"{gate.dtype} {list(gate.shape)}",
                           f"q's shape {list(q.shape)}, or one that broadcasts to it",
                           "pass the gate of q's heads (the second half of the fused q|gate projection)")
     return None
-
-
-def _broadcasts_to(shape: torch.Size, want: torch.Size) -> bool:
-    try:
-        return torch.broadcast_shapes(shape, want) == want
-    except RuntimeError:
-        return False
 
 
 def _paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

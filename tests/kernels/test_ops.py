@@ -265,3 +265,18 @@ def test_the_host_cdiv_and_next_power_of_2_are_tritons():
     values = [*range(-5, 1100), 4095, 4096, 4097, 151936, (1 << 20) - 1, 1 << 20, (1 << 20) + 1]
     assert [ops.next_power_of_2(n) for n in values] == [triton.next_power_of_2(n) for n in values]
     assert all(ops.cdiv(a, b) == triton.cdiv(a, b) for a in values for b in (1, 2, 3, 7, 16, 128, 4096))
+
+
+def test_broadcasts_to_is_torchs_rule():
+    """`ops.broadcasts_to(shape, target)` is `torch.broadcast_shapes(shape, target) == target` (refused counts
+    False), over every shape of up to 3 dims of 0, 1, 2 and 3 against targets of up to 3 dims."""
+    import itertools
+
+    def torchs(s, t):
+        try:
+            return torch.broadcast_shapes(s, t) == torch.Size(t)
+        except RuntimeError:
+            return False
+    shapes = [c for n in range(4) for c in itertools.product((0, 1, 2, 3), repeat=n)]
+    targets = [c for n in range(4) for c in itertools.product((0, 1, 3), repeat=n)]
+    assert all(ops.broadcasts_to(s, t) == torchs(s, t) for s in shapes for t in targets)
