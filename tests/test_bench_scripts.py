@@ -164,3 +164,18 @@ def test_bench_ops_gives_each_row_the_clocks_logged_while_it_was_timed(tiny, tmp
     assert rows and all(r["clocks"].startswith("sm 1545-1545 MHz") for r in rows)
     lines = [line for line in capsys.readouterr().out.splitlines() if "while timed: sm 1545-1545 MHz" in line]
     assert len(lines) == len(rows)
+
+
+def test_host_cost_times_every_op_with_its_kernels_not_launched():
+    """scripts/host_cost.py in its own process (it stubs the interpreter's launches): a line an op, and a refusal
+    naming the ops for an unknown --profile."""
+    import subprocess
+    run = subprocess.run([sys.executable, str(SCRIPTS / "host_cost.py"), "--calls", "3", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split()[0] for line in run.stdout.splitlines()[1:]]
+    assert rows == ["rms_norm", "linear", "embedding", "rope_neox", "paged_decode_attention", "moe_route_softmax",
+                    "fused_moe", "argmax"]
+    bad = subprocess.run([sys.executable, str(SCRIPTS / "host_cost.py"), "--profile", "nope"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "the ops are rms_norm, linear" in bad.stderr
