@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pathlib
+import subprocess
 import sys
 import time
 
@@ -169,7 +170,6 @@ def test_bench_ops_gives_each_row_the_clocks_logged_while_it_was_timed(tiny, tmp
 def test_host_cost_times_every_op_with_its_kernels_not_launched():
     """scripts/host_cost.py in its own process (it stubs the interpreter's launches): a line an op, and a refusal
     naming the ops for an unknown --profile."""
-    import subprocess
     run = subprocess.run([sys.executable, str(SCRIPTS / "host_cost.py"), "--calls", "3", "--rounds", "1"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

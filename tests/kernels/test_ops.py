@@ -1,6 +1,7 @@
 """The op registry: every op the heads use has its reference and a Triton provider (DESIGN 4); a kernel the GPU
 cannot load falls back under `auto`."""
 
+import itertools
 import os
 import re
 
@@ -270,8 +271,6 @@ def test_the_host_cdiv_and_next_power_of_2_are_tritons():
 def test_broadcasts_to_is_torchs_rule():
     """`ops.broadcasts_to(shape, target)` is `torch.broadcast_shapes(shape, target) == target` (refused counts
     False), over every shape of up to 3 dims of 0, 1, 2 and 3 against targets of up to 3 dims."""
-    import itertools
-
     def torchs(s, t):
         try:
             return torch.broadcast_shapes(s, t) == torch.Size(t)

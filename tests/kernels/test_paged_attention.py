@@ -796,7 +796,7 @@ def test_default_tuning_of_the_16_bit_kernel_rounds_down_to_3_programs_an_sm(seq
 ])
 def test_default_tuning_of_the_16_bit_kernel_weighs_the_waves_where_its_sms_hold_fewer_than_two_splits(
         sequences, tokens, pick):
-    """From 100 sequences at 2 KV heads the 396 places of 132 SMs hold fewer than two splits: of 1 to 8 splits
+    """From 100 sequences at 2 KV heads the 396 places of 132 SMs hold fewer than two splits: of 1 to 7 splits
     of at least 256 tokens, the fewest whose waves take least time, a wave under 80% full counted as 80%. The
     figures are the sweep's (BENCHMARKS.md, twenty-seventh run)."""
     assert _default_tuning(132, 2 * sequences, tokens, 32, False, None, None, tf32_16bit=True) == (pick, 3)
