@@ -506,6 +506,26 @@ def _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, 
 
 
 @triton.jit
+def x_f16_pairs_step(x_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     USE_ASM: tl.constexpr):
+    """The 8 x pairs of each block of the K step from element kk, made from x (16-bit) times x_scale (2^e,
+    `x_exponent`), as a tuple of [BK/16] int32 words of two fp16 (`_x_pairs` order): what
+    `nvfp4_f16_block_sums` takes, for the GEMVs whose x has no pass of its own (the MoE experts)."""
+    return _gemv_x_step(x_ptr, x_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K, False, USE_ASM)
+
+
+@triton.jit
+def nvfp4_f16_block_sums(acc, wv, sb, p, BLOCK_N: tl.constexpr, NB: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc [BN, NB] + each 16-element block of a K step of BN NVFP4 rows against one row of x: the words wv
+    [BN, 2 NB] and scale bytes sb [BN, NB], the x pairs p (`x_f16_pairs_step` or x's pass) each block summed in
+    fp16 pairs (`_block_sum_f16`: E2M1 * 2^-6 times x * 2^e), its two halves times its scale added in fp32.
+    The caller multiplies the row's sum by 2^(6 - e) and the global scale."""
+    wa, wb = tl.split(tl.reshape(wv, [BLOCK_N, NB, 2]))          # each block's first and second word
+    lo, hi = _block_sum_f16(wa, wb, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], USE_ASM)
+    return acc + (lo + hi) * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _x_f16_pairs_kernel(x_ptr, pairs_ptr, exp_ptr, K, k_per_split, stride_xm, stride_xk, BLOCK: tl.constexpr,
                         USE_ASM: tl.constexpr, PDL: tl.constexpr, ORDER: tl.constexpr = 0):
     """The x pass of the 16-bit-x GEMVs, one program a K slice of a row m of x (grid: slices, rows): the
@@ -630,9 +650,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
             wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, k_start + k0, K,
                                                                    stride_xk, x_scale, BLOCK_K, EVEN_K, X_PAIRS,
                                                                    USE_ASM)
-        wa, wb = tl.split(tl.reshape(wv, [BLOCK_N, NB, 2]))          # each block's first and second word
-        lo, hi = _block_sum_f16(wa, wb, a0, a1, a2, a3, b0, b1, b2, b3, USE_ASM)
-        acc += (lo + hi) * sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        acc = nvfp4_f16_block_sums(acc, wv, sb, (a0, a1, a2, a3, b0, b1, b2, b3), BLOCK_N, NB, USE_ASM)
         if AHEAD and X_PAIRS:
             wv, sb = nxt_w, nxt_s
         elif AHEAD:

@@ -53,8 +53,10 @@ import triton.language as tl
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
-from mtpfactory.kernels.linear import dot_acc, lowp_dot
-from mtpfactory.kernels.linear_nvfp4 import decoded_tile, gemv_nvfp4_step, nvfp4_words, permuted_x, words_refusal
+from mtpfactory.kernels.fp_bits import pow2, times_pow2
+from mtpfactory.kernels.linear import dot_acc, lowp_dot, x_exponent, x_scan_block
+from mtpfactory.kernels.linear_nvfp4 import (decoded_tile, gemv_nvfp4_step, nvfp4_f16_block_sums, nvfp4_words,
+                                             permuted_x, words_refusal, x_f16_pairs_step)
 from mtpfactory.ops import (Op, broadcasts_to, cdiv, next_power_of_2, out_refusal, outs_overlap_refusal,
                             outs_refusal, overlap_refusal, write_outs)
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
@@ -66,7 +68,7 @@ MAX_SPLIT = 16  # programs that share one (row group, output tile) of the down p
 # NVFP4 experts at this many rows or fewer run as GEMVs over the (row, slot) pairs, more rows through the dot
 # kernels (a decode step's rows share few experts; a prefill chunk's share more)
 GEMV_MAX_ROWS = 32
-GEMV_TILES = {"gate_up": (16, 256), "down": (32, 256)}   # (rows of the weight, K tile) a program
+GEMV_K_TILE = 256   # the GEMVs' K step, in elements (whole words of 8 and blocks of 16)
 
 
 # --- references ------------------------------------------------------------------------------------------
@@ -566,11 +568,14 @@ def _pair_owner(ids_ptr, pair, E, TOP_K: tl.constexpr, KP: tl.constexpr):
 @triton.jit
 def _moe_gate_up_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, H, I, E, stride_xm, stride_we, stride_wn,
                              stride_se, stride_sn, TOP_K: tl.constexpr, KP: tl.constexpr, BI: tl.constexpr,
-                             BH: tl.constexpr, ACT: tl.constexpr, INTERP: tl.constexpr, USE_ASM: tl.constexpr):
+                             BH: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr, XBLOCK: tl.constexpr,
+                             ACT: tl.constexpr, INTERP: tl.constexpr, USE_ASM: tl.constexpr):
     """NVFP4 experts, few rows (`GEMV_MAX_ROWS`): h[pair, i] = silu(gate_e x_n)_i * (up_e x_n)_i for the pair's
     expert e, one program per ((row n, slot) pair, tile of BI intermediate columns), owners only
-    (`_pair_owner`), as GEMVs (`gemv_nvfp4_step`): at a decode step's few rows most experts serve one row, and
-    the dot kernel's 16 rows a group would be mostly padding."""
+    (`_pair_owner`), as GEMVs: at a decode step's few rows most experts serve one row, and the dot kernel's 16
+    rows a group would be mostly padding. F16 (16-bit x): x's row times 2^e (`x_exponent`, exact in fp16)
+    summed against each block in fp16 pairs (`nvfp4_f16_block_sums`, as the LM head's GEMV); fp32 x: the fp32
+    step (`gemv_nvfp4_step`)."""
     pair = tl.program_id(0)
     n, j, e, owned, _ = _pair_owner(ids_ptr, pair, E, TOP_K, KP)
     if owned:
@@ -579,15 +584,31 @@ def _moe_gate_up_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, H, I, E
         i_ok = ii < I
         g_rows = w_ptr + e64 * stride_we + ii[:, None].to(tl.int64) * stride_wn                      # [BI, 1]
         gs_rows = s_ptr + e64 * stride_se + ii[:, None].to(tl.int64) * stride_sn
+        u_rows, us_rows = g_rows + I * stride_wn, gs_rows + I * stride_sn
         x_row = x_ptr + n.to(tl.int64) * stride_xm
         acc_g = tl.zeros([BI, BH // 16], tl.float32)
         acc_u = tl.zeros([BI, BH // 16], tl.float32)
-        for k0 in range(0, H, BH):
-            acc_g = gemv_nvfp4_step(acc_g, x_row, 1, g_rows, gs_rows, i_ok, k0, H, BI, BH, USE_ASM)
-            acc_u = gemv_nvfp4_step(acc_u, x_row, 1, g_rows + I * stride_wn, gs_rows + I * stride_sn, i_ok, k0, H,
-                                    BI, BH, USE_ASM)
-        gate = tl.sum(acc_g, axis=1) * (64.0 * tl.load(g_ptr + e64 * 2))                           # [BI]
-        up = tl.sum(acc_u, axis=1) * (64.0 * tl.load(g_ptr + e64 * 2 + 1))
+        if F16:
+            gw, gs = nvfp4_words(g_rows, gs_rows, i_ok, 0, H, BH)          # step 0 in flight during x's scan
+            uw, us = nvfp4_words(u_rows, us_rows, i_ok, 0, H, BH)
+            e_x = x_exponent(x_row, 0, H, 1, XBLOCK)
+            x_scale = pow2(e_x)
+            for k0 in range(0, H, BH):
+                # the next step's words in flight during this one's sums (past H: masked, nothing read)
+                gw_next, gs_next = nvfp4_words(g_rows, gs_rows, i_ok, k0 + BH, H, BH)
+                uw_next, us_next = nvfp4_words(u_rows, us_rows, i_ok, k0 + BH, H, BH)
+                p = x_f16_pairs_step(x_row, k0, H, 1, x_scale, BH, EVEN_K, USE_ASM)
+                acc_g = nvfp4_f16_block_sums(acc_g, gw, gs, p, BI, BH // 16, USE_ASM)
+                acc_u = nvfp4_f16_block_sums(acc_u, uw, us, p, BI, BH // 16, USE_ASM)
+                gw, gs, uw, us = gw_next, gs_next, uw_next, us_next
+            gate = times_pow2(tl.sum(acc_g, axis=1), 6 - e_x) * tl.load(g_ptr + e64 * 2)          # [BI]
+            up = times_pow2(tl.sum(acc_u, axis=1), 6 - e_x) * tl.load(g_ptr + e64 * 2 + 1)
+        else:
+            for k0 in range(0, H, BH):
+                acc_g = gemv_nvfp4_step(acc_g, x_row, 1, g_rows, gs_rows, i_ok, k0, H, BI, BH, USE_ASM)
+                acc_u = gemv_nvfp4_step(acc_u, x_row, 1, u_rows, us_rows, i_ok, k0, H, BI, BH, USE_ASM)
+            gate = tl.sum(acc_g, axis=1) * (64.0 * tl.load(g_ptr + e64 * 2))                       # [BI]
+            up = tl.sum(acc_u, axis=1) * (64.0 * tl.load(g_ptr + e64 * 2 + 1))
         tl.store(h_ptr + pair.to(tl.int64) * I + ii, _round_act(gate * tl.sigmoid(gate) * up, ACT, INTERP, False),
                  mask=i_ok)
 
@@ -595,10 +616,12 @@ def _moe_gate_up_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, H, I, E
 @triton.jit
 def _moe_down_gemv_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, part_ptr, N, H, I, E, stride_we, stride_wn,
                           stride_se, stride_sn, TOP_K: tl.constexpr, KP: tl.constexpr, BHO: tl.constexpr,
-                          BI: tl.constexpr, ACT: tl.constexpr, INTERP: tl.constexpr, USE_ASM: tl.constexpr):
+                          BI: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr, XBLOCK: tl.constexpr,
+                          ACT: tl.constexpr, INTERP: tl.constexpr, USE_ASM: tl.constexpr):
     """NVFP4 experts, few rows: part[slot, n, o] = w * round(down_e h[pair])_o for each (row n, slot) pair, w the
     row's weights of expert e summed; zero where the pair is not its expert's owner (`_pair_owner`). One program
-    per (pair, tile of BHO output columns); `_moe_blend_kernel` sums the slots in order and blends."""
+    per (pair, tile of BHO output columns); `_moe_blend_kernel` sums the slots in order and blends. F16: h's row
+    as the gate_up kernel takes x's."""
     pair = tl.program_id(0)
     n, j, e, owned, row_ids = _pair_owner(ids_ptr, pair, E, TOP_K, KP)
     oo = tl.program_id(1) * BHO + tl.arange(0, BHO)
@@ -613,9 +636,20 @@ def _moe_down_gemv_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, part_ptr,
         ds_rows = s_ptr + e64 * stride_se + oo[:, None].to(tl.int64) * stride_sn
         h_row = h_ptr + pair.to(tl.int64) * I
         acc = tl.zeros([BHO, BI // 16], tl.float32)
-        for k0 in range(0, I, BI):
-            acc = gemv_nvfp4_step(acc, h_row, 1, d_rows, ds_rows, o_ok, k0, I, BHO, BI, USE_ASM)
-        y = tl.sum(acc, axis=1) * (64.0 * tl.load(g_ptr + e64))
+        if F16:
+            dw, ds = nvfp4_words(d_rows, ds_rows, o_ok, 0, I, BI)          # step 0 in flight during h's scan
+            e_h = x_exponent(h_row, 0, I, 1, XBLOCK)
+            h_scale = pow2(e_h)
+            for k0 in range(0, I, BI):
+                dw_next, ds_next = nvfp4_words(d_rows, ds_rows, o_ok, k0 + BI, I, BI)   # as gate_up's
+                p = x_f16_pairs_step(h_row, k0, I, 1, h_scale, BI, EVEN_K, USE_ASM)
+                acc = nvfp4_f16_block_sums(acc, dw, ds, p, BHO, BI // 16, USE_ASM)
+                dw, ds = dw_next, ds_next
+            y = times_pow2(tl.sum(acc, axis=1), 6 - e_h) * tl.load(g_ptr + e64)
+        else:
+            for k0 in range(0, I, BI):
+                acc = gemv_nvfp4_step(acc, h_row, 1, d_rows, ds_rows, o_ok, k0, I, BHO, BI, USE_ASM)
+            y = tl.sum(acc, axis=1) * (64.0 * tl.load(g_ptr + e64))
         val = weight * _round_act(y, ACT, INTERP, True)
     tl.store(part_ptr + (j * N + n).to(tl.int64) * H + oo, val, mask=o_ok)
 
@@ -761,22 +795,35 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _gemv_tiles(pairs: int, hidden: int, inter: int, sms: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The GEMVs' tiles, ((BI, BH) of gate_up, (BHO, BI_K) of down): weight rows a program and its K step
+    (GEMV_K_TILE). Each takes the most rows whose grid of (pair, tile) programs still gives every SM 4 or more
+    (8 to 32 rows of gate and up, 32 or 64 of down): at a decode step's single row the programs are few and
+    each waits on its loads in turn, so more of them read more at once; with more rows, bigger tiles read x
+    and h fewer times."""
+    def most_rows(choices: tuple[int, ...], n: int) -> int:
+        return next((r for r in reversed(choices) if pairs * cdiv(n, r) >= 4 * sms), choices[0])
+    return (most_rows((8, 16, 32), inter), GEMV_K_TILE), (most_rows((32, 64), hidden), GEMV_K_TILE)
+
+
 def _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shared):
     """NVFP4 experts at N <= GEMV_MAX_ROWS rows: the GEMV kernels over the (row, slot) pairs, then the blend
     of each row's slots in order (deterministic)."""
     w_gu, s_gu, g_gu, w_dn, s_dn, g_dn = tensors
     n, hidden = x.shape
-    consts = dict(TOP_K=top_k, KP=next_power_of_2(top_k), ACT=ACT_DTYPES[x.dtype],
+    consts = dict(TOP_K=top_k, KP=next_power_of_2(top_k), F16=x.dtype != torch.float32, ACT=ACT_DTYPES[x.dtype],
                   INTERP=x.device.type == "cpu", USE_ASM=x.is_cuda)
-    bi, bk = GEMV_TILES["gate_up"]
+    (bi, bk), (bho, bk_down) = _gemv_tiles(n * top_k, hidden, inter, _sm_count(x.device))
     _moe_gate_up_gemv_kernel[(n * top_k, cdiv(inter, bi))](
         x, ids, w_gu, s_gu, g_gu, h, hidden, inter, w_gu.shape[0], x.stride(0), w_gu.stride(0), w_gu.stride(1),
-        s_gu.stride(0), s_gu.stride(1), BI=bi, BH=bk, num_warps=4, **consts)
-    bho, bk = GEMV_TILES["down"]
+        s_gu.stride(0), s_gu.stride(1), BI=bi, BH=bk, EVEN_K=hidden % bk == 0, XBLOCK=x_scan_block(hidden),
+        num_warps=4, **consts)
     part = torch.empty(top_k, n, hidden, dtype=torch.float32, device=x.device)
     _moe_down_gemv_kernel[(n * top_k, cdiv(hidden, bho))](
         h, ids, tw, w_dn, s_dn, g_dn, part, n, hidden, inter, w_dn.shape[0], w_dn.stride(0), w_dn.stride(1),
-        s_dn.stride(0), s_dn.stride(1), BHO=bho, BI=bk, num_warps=4, **consts)
+        s_dn.stride(0), s_dn.stride(1), BHO=bho, BI=bk_down, EVEN_K=inter % bk_down == 0, XBLOCK=x_scan_block(inter),
+        num_warps=4, **consts)
     _moe_blend_kernel[(n, cdiv(hidden, 128))](
         part, so, sg, out, n, hidden, top_k, part.stride(0), so.stride(0), sg.stride(0), out.stride(0), BM=1, BHO=128,
         HAS_SHARED=has_shared, ACT=consts["ACT"], INTERP=consts["INTERP"])

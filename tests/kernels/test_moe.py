@@ -465,6 +465,27 @@ def test_fused_moe_triton_fp16_and_strided_rows():
     assert torch.equal(wide_out[:, :h], got) and bool(wide_out[:, h:].isnan().all())
 
 
+@pytest.mark.parametrize("dtype,powers", [(torch.bfloat16, (-20, 0, 20)), (torch.float16, (-3, 0, 3))],
+                         ids=["bf16", "fp16"])
+def test_fused_moe_nvfp4_gemvs_16bit_x_over_several_k_steps(dtype, powers):
+    """The GEMVs' 16-bit path (x and h times 2^e, each block summed in fp16 pairs) over whole K steps (H 512:
+    two steps of gate_up with the next one's words loaded ahead; I 256: one of down) and rows of x far apart in
+    magnitude (times 2^powers: each row's own e keeps its sums in fp16's range; fp16 rows far smaller would
+    leave the reference's outputs subnormal). Measured against the reference row by row (seeds 11, 12): 9e-4 to
+    1.4e-3 in fp16, 5e-3 to 1e-2 in bf16 (its rounding of h dominates); the next step's words reloaded in place
+    of loaded ahead fail every row."""
+    n, e, k, h, i = 3, 9, 2, 512, 256
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(n, h, generator=gen) * torch.tensor([2.0**p for p in powers])[:, None]).to(dtype)
+    q = nvfp4_experts(e, h, i, gen)
+    weights, ids = routing(n, e, k, gen)
+    off = unselected(e, ids)
+    q["gu_global"][off], q["dn_global"][off] = float("nan"), float("nan")
+    got, want = run_both(moe.fused_moe_nvfp4, x, dict(**q, topk_weights=weights, topk_ids=ids), {}, k, i)
+    for row in range(n):                                   # each row against its own scale
+        scaled_close(got[row], want[row], TOL[dtype])
+
+
 def test_fused_moe_triton_transposed_x():
     """x stored transposed (strides (1, N)) and no `out` given: the result is still [N, H] row by row."""
     n, e, k, h, i = 3, 4, 2, 32, 32
