@@ -465,16 +465,18 @@ def test_fused_moe_triton_fp16_and_strided_rows():
     assert torch.equal(wide_out[:, :h], got) and bool(wide_out[:, h:].isnan().all())
 
 
+@pytest.mark.parametrize("h,i", [(512, 32), (32, 512)], ids=["H512", "I512"])
 @pytest.mark.parametrize("dtype,powers", [(torch.bfloat16, (-20, 0, 20)), (torch.float16, (-3, 0, 3))],
                          ids=["bf16", "fp16"])
-def test_fused_moe_nvfp4_gemvs_16bit_x_over_several_k_steps(dtype, powers):
-    """The GEMVs' 16-bit path (x and h times 2^e, each block summed in fp16 pairs) over whole K steps (H 512:
-    two steps of gate_up with the next one's words loaded ahead; I 256: one of down) and rows of x far apart in
-    magnitude (times 2^powers: each row's own e keeps its sums in fp16's range; fp16 rows far smaller would
-    leave the reference's outputs subnormal). Measured against the reference row by row (seeds 11, 12): 9e-4 to
-    1.4e-3 in fp16, 5e-3 to 1e-2 in bf16 (its rounding of h dominates); the next step's words reloaded in place
-    of loaded ahead fail every row."""
-    n, e, k, h, i = 3, 9, 2, 512, 256
+def test_fused_moe_nvfp4_gemvs_16bit_x_over_whole_k_steps(dtype, powers, h, i):
+    """The GEMVs' 16-bit path (x and h times 2^e, each block summed in fp16 pairs) over whole K steps of 256 (H 512
+    and I 512: two steps of gate_up and of down, the second's words loaded during the first's sums) and rows
+    of x far apart in magnitude (times 2^powers: each row's own e keeps its sums in fp16's range; fp16 rows far
+    smaller would leave the reference's outputs subnormal). Measured against the reference row by row (3 rows, 9
+    experts, top-2, H 512 and I 256, seeds 11 and 12): 9e-4 to 1.4e-3 in fp16, 5e-3 to 1e-2 in bf16 (its rounding
+    of h dominates); either kernel's next words loaded from the wrong step fail its shape. Interpreted, the fp16
+    sums cost about 0.1 s a [32, 16] block tile: the shapes keep the other side small."""
+    n, e, k = 3, 9, 1
     gen = torch.Generator().manual_seed(11)
     x = (torch.randn(n, h, generator=gen) * torch.tensor([2.0**p for p in powers])[:, None]).to(dtype)
     q = nvfp4_experts(e, h, i, gen)
