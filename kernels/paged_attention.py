@@ -291,6 +291,8 @@ _WAVE_TILES = (16, 256, 32, 4)
 
 _BF16_HELD = 3           # programs an SM holds of the 16-bit kernel at _WAVE_TILES, tf32 dots, 3 stages (156 regs)
 _MIN_SPLIT_TOKENS = 256  # the shortest split the 16-bit rounding down takes (192 was 1.07x slower: 8 x 4096)
+_MIN_SPLIT_LEN = 64      # the shortest split any default takes, in tokens (128 was up to 1.26x slower, few sequences)
+_MAX_DEFAULT_SPLITS = 64  # the most splits a default takes
 _BUSY_WAVE = 0.8         # the fill from which a wave of the 16-bit kernel runs at the copy rate (`_bf16_wave_splits`)
 _WAVE_SPLITS = 7         # the most splits `_bf16_wave_splits` weighs (8 was the fastest at none of 11 shapes)
 
@@ -332,8 +334,10 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
                     unit_scales: bool = False, tf32_16bit: bool = False) -> tuple[int, int]:
     """(splits asked for, stages) where the caller left num_splits or num_stages None, for `programs` (sequences
     x KV heads) a split on `sms` SMs (0, the CPU: 1 split, 3 stages, which the interpreter ignores) and the
-    kernel's `tiles` (G_PAD, D_PAD, block_n, num_warps). A split is at least 128 tokens long, and there are at
-    most 64 (one sequence of 4096 tokens on an H100: 32 splits 19.5 us, 16 splits of 256 tokens 25.4).
+    kernel's `tiles` (G_PAD, D_PAD, block_n, num_warps). A split is at least `_MIN_SPLIT_LEN` (64) tokens long,
+    and there are at most 64. On an H100 (BENCHMARKS.md's twenty-ninth run, the reduce at 8 dims a program), at 64
+    tokens 1 to 4 sequences of 2048 tokens ran 1.06-1.26x faster than at 128 and 1 to 2 of 4096 1.06-1.17x; 6 of
+    2048 and 3 of 4096 tied; from there the splits are the same.
 
     A 16-bit or fp32 cache: Triton's 3 stages, the splits rounded up to two programs an SM (rounded down to two was
     2-10% slower from 24 sequences). At `_WAVE_TILES` with a 16-bit q and cache and tf32 dots (`tf32_16bit`, the
@@ -365,7 +369,7 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
         if num_splits:
             return num_splits
         want = held // programs if down else -(-held // programs)
-        return max(1, min(want, max_tokens // max(128, block_n), 64))
+        return max(1, min(want, max_tokens // max(_MIN_SPLIT_LEN, block_n), _MAX_DEFAULT_SPLITS))
 
     if tf32_16bit and tiles == _WAVE_TILES and num_stages in (None, _TRITON_STAGES):
         down = splits_at(_BF16_HELD * sms, True)
@@ -418,7 +422,7 @@ _MAX_TOKENS = 2**30                        # a block table's tokens: positions a
 _WARPS = (1, 2, 4, 8, 16, 32)
 _MAX_STAGES = 8
 _TRITON_STAGES = 3                          # Triton's default num_stages on NVIDIA GPUs
-_REDUCE_BLOCK_D = 32                       # a reduce program's dims: D 256 gives 8 programs a (sequence, KV head)
+_REDUCE_BLOCK_D = 8    # a reduce program's dims: D 256 gives 32 programs a (sequence, KV head); 32: 1.03-1.16x slower
 _REDUCE_TILE = 8192                        # a reduce step's [splits, G_PAD, dims] at most: 64 fp32 a thread (4 warps)
 
 

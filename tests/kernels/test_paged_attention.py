@@ -223,16 +223,16 @@ def test_fast_dot_takes_fp16_for_an_fp8_cache_and_q_dtype_for_a_16_bit_one():
 @pytest.mark.parametrize("kv, q_dtype", [("bf16", torch.bfloat16), ("fp8_scaled", torch.float32)])
 def test_triton_many_splits_reduce_in_chunks(kv, q_dtype):
     """45 splits of 16 tokens (block_n 16: at the default 32 the splits would be 32 long, 23 of them): the reduce
-    takes 16 splits a step (2 q heads a KV head: G_PAD 16, 32 dims a program), so three steps, the last cut at 13;
-    the shorter row leaves its last 24 splits empty. D 40: two reduce programs a (sequence, KV head), the second
-    cut at 40. Row 0's largest scores lie in its last split (token 690, the mean of its KV head's q heads: scores
-    near |q|^2 / 2, twice the others' largest), so the reduce's running max rises in its last step, which must
-    rescale the sum and the output of the steps before it."""
-    q, k, v, tables, lens, scale, gate, ks, vs = make_case(2, 4, 2, 40, 16, [700, 333], kv, q_dtype, seed=21)
-    splits, chunk = tables.shape[1], _REDUCE_TILE // (16 * _REDUCE_BLOCK_D)  # a split a block of the table
-    assert splits == 45 and chunk == 16 and -(-splits // chunk) == 3
+    takes 32 splits a step (32 q heads a KV head: G_PAD 32, 8 dims a program), so two steps, the last cut at 13;
+    the shorter row leaves its last 24 splits empty. D 40: eight reduce programs a (sequence, KV head) over D_PAD
+    64, the fifth ending at 40 and the last three wholly past it. Row 0's largest scores lie in its last split
+    (token 690, the mean of its KV head's q heads: scores near |q|^2 / 2, twice the others' largest), so the
+    reduce's running max rises in its last step, which must rescale the sum and the output of the step before it."""
+    q, k, v, tables, lens, scale, gate, ks, vs = make_case(2, 64, 2, 40, 16, [700, 333], kv, q_dtype, seed=21)
+    splits, chunk = tables.shape[1], _REDUCE_TILE // (32 * _REDUCE_BLOCK_D)  # a split a block of the table
+    assert splits == 45 and chunk == 32 and -(-splits // chunk) == 2
     blk, off = int(tables[0, 690 // 16]), 690 % 16
-    hot = q[0].float().view(2, 2, 40).mean(1)  # [kv_heads, D]
+    hot = q[0].float().view(2, 32, 40).mean(1)  # [kv_heads, D]
     k[blk, off] = (hot if ks is None else hot / ks[blk, off][:, None]).to(k.dtype)
     args = (q, k, v, tables, lens, scale, gate, ks, vs)
     out = run_triton(*args, num_splits=45, block_n=16)
@@ -719,7 +719,7 @@ def test_default_dots_follow_the_cache(monkeypatch):
 # (splits asked for, stages). FP8's picks were the fastest tunings the H100 sweeps timed, but at 32 sequences
 # (0.2% off), and 56, 64 and 128 with unit scales (4-5%) (BENCHMARKS.md, twenty-third run)
 TUNINGS = [
-    (1, (32, 3), (32, 3)),      # 132 SMs would take 132 splits: 4096 tokens hold 32 of 128
+    (1, (64, 3), (64, 3)),      # 132 SMs would take 132 splits: 4096 tokens hold 64 of 64
     (8, (16, 3), (17, 3)),      # 3 stages: 264 places / 16 programs = 16 splits; 1 stage's 24 run as 22, 352 of 396
     (14, (9, 3), (10, 3)),      # one stage's 14 splits run as 13 (whole tiles): 364 of 396, under 252 of 264
     (16, (8, 3), (9, 3)),       # 256 of 264 and 384 of 396: a tie keeps 3 stages
@@ -746,7 +746,7 @@ def test_default_tuning_fills_the_waves(sequences, fp8_pick, bf16_pick):
 
 
 @pytest.mark.parametrize("sequences, tokens, pick", [
-    (2, 4096, (32, 3)),      # 4096 tokens hold 32 splits of 128 either way
+    (2, 4096, (64, 3)),      # 4096 tokens hold 64 splits of 64 either way
     (8, 4096, (17, 3)),      # 396 / 16 = 24 splits of 192 tokens, under 256: rounded up to 264 (16 run)
     (12, 4096, (16, 3)),     # 396 / 24 = 16 splits of 256: 384 programs (rounded up: 11)
     (24, 4096, (8, 3)),      # 81.57 us against 6 splits' 87.24 (H100)
@@ -868,10 +868,11 @@ def test_the_launcher_says_which_16_bit_calls_run_the_heads_kernel(monkeypatch):
     assert seen == [True, True, False, False, False]
 
 
-def test_default_tuning_keeps_128_tokens_a_split_and_at_most_64():
+def test_default_tuning_keeps_64_tokens_a_split_and_at_most_64():
     assert _default_tuning(132, 2, 16384, 32, True, None, None) == (64, 3)    # 128 splits of 128 tokens
-    assert _default_tuning(132, 2, 1000, 32, False, None, None) == (7, 3)     # 1000 // 128
-    assert _default_tuning(132, 2, 100, 32, True, None, None) == (1, 3)       # shorter than a split of 128
+    assert _default_tuning(132, 2, 1000, 32, False, None, None) == (15, 3)    # 1000 // 64
+    assert _default_tuning(132, 2, 4096, 32, False, None, None) == (64, 3)    # one sequence: 64 splits of 64 tokens
+    assert _default_tuning(132, 2, 50, 32, True, None, None) == (1, 3)        # shorter than a split of 64
     assert _default_tuning(132, 2, 4096, 256, False, None, None) == (16, 3)   # tiles of 256: a split a tile at least
     assert _default_tuning(0, 2, 4096, 32, True, None, None) == (1, 3)        # the CPU: one split
     assert _default_tuning(0, 2, 4096, 32, True, 5, 1) == (5, 1)
