@@ -814,7 +814,8 @@ def _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shar
     n, hidden = x.shape
     consts = dict(TOP_K=top_k, KP=next_power_of_2(top_k), F16=x.dtype != torch.float32, ACT=ACT_DTYPES[x.dtype],
                   INTERP=x.device.type == "cpu", USE_ASM=x.is_cuda)
-    (bi, bk), (bho, bk_down) = _gemv_tiles(n * top_k, hidden, inter, _sm_count(x.device))
+    # the interpreter runs the programs one by one, each step vectorized over its tile: the fewest, largest there
+    (bi, bk), (bho, bk_down) = _gemv_tiles(n * top_k, hidden, inter, _sm_count(x.device) if x.is_cuda else 1)
     _moe_gate_up_gemv_kernel[(n * top_k, cdiv(inter, bi))](
         x, ids, w_gu, s_gu, g_gu, h, hidden, inter, w_gu.shape[0], x.stride(0), w_gu.stride(0), w_gu.stride(1),
         s_gu.stride(0), s_gu.stride(1), BI=bi, BH=bk, EVEN_K=hidden % bk == 0, XBLOCK=x_scan_block(hidden),

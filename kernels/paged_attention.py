@@ -337,7 +337,7 @@ def _default_tuning(sms: int, programs: int, max_tokens: int, block_n: int, fp8:
     kernel's `tiles` (G_PAD, D_PAD, block_n, num_warps). A split is at least `_MIN_SPLIT_LEN` (64) tokens long,
     and there are at most 64. On an H100 (BENCHMARKS.md's twenty-ninth run, the reduce at 8 dims a program), at 64
     tokens 1 to 4 sequences of 2048 tokens ran 1.06-1.26x faster than at 128 and 1 to 2 of 4096 1.06-1.17x; 6 of
-    2048 and 3 of 4096 tied; from there the splits are the same.
+    2048 and 3 to 4 of 4096 within 2% (no slower); from there the splits are the same.
 
     A 16-bit or fp32 cache: Triton's 3 stages, the splits rounded up to two programs an SM (rounded down to two was
     2-10% slower from 24 sequences). At `_WAVE_TILES` with a 16-bit q and cache and tf32 dots (`tf32_16bit`, the

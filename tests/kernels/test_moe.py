@@ -446,6 +446,23 @@ def test_fused_moe_nvfp4_triton_matches_reference(shape, dtype, nvfp4_path):
     scaled_close(got, want, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gate_up_rows,down_rows", [(8, 32), (16, 64), (32, 32)])
+def test_fused_moe_nvfp4_gemvs_at_the_gpus_tiles(gate_up_rows, down_rows, dtype, monkeypatch):
+    """The GEMVs at the tiles `_gemv_tiles` takes on a GPU (8, 16 or 32 rows of gate and up a program, 32 or 64 of
+    down; the interpreter runs the largest, fewest programs), I 48 and H 80: tiles cut at the edge of I and H."""
+    monkeypatch.setattr(moe, "_gemv_tiles", lambda *a: ((gate_up_rows, moe.GEMV_K_TILE), (down_rows, moe.GEMV_K_TILE)))
+    n, e, k, h, i = 3, 9, 2, 80, 48
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(n, h, generator=gen).to(dtype)
+    q = nvfp4_experts(e, h, i, gen)
+    weights, ids = routing(n, e, k, gen)
+    off = unselected(e, ids)
+    q["gu_global"][off], q["dn_global"][off] = float("nan"), float("nan")
+    got, want = run_both(moe.fused_moe_nvfp4, x, dict(**q, topk_weights=weights, topk_ids=ids), {}, k, i)
+    scaled_close(got, want, TOL[dtype])
+
+
 def test_fused_moe_triton_fp16_and_strided_rows():
     """fp16 activations, and x / shared_out / out given as row slices of wider tensors (a row stride != H), the
     gate [N, 1] a column of a transposed tensor (strides (1, N): the kernels read one gate a row, by its stride)."""
