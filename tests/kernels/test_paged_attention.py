@@ -869,7 +869,7 @@ def test_the_launcher_says_which_16_bit_calls_run_the_heads_kernel(monkeypatch):
 
 
 def test_default_tuning_keeps_64_tokens_a_split_and_at_most_64():
-    assert _default_tuning(132, 2, 16384, 32, True, None, None) == (64, 3)    # 128 splits of 128 tokens
+    assert _default_tuning(132, 2, 16384, 32, True, None, None) == (64, 3)    # 256 of 64 tokens would fit: 64
     assert _default_tuning(132, 2, 1000, 32, False, None, None) == (15, 3)    # 1000 // 64
     assert _default_tuning(132, 2, 4096, 32, False, None, None) == (64, 3)    # one sequence: 64 splits of 64 tokens
     assert _default_tuning(132, 2, 50, 32, True, None, None) == (1, 3)        # shorter than a split of 64
