@@ -15,7 +15,7 @@ the clocks while it times (`gpu_clocks.py`, into --clocks, else a temporary file
 what it logged while that row's rounds ran, as in `bench_kernels.py`.
 
     python3 scripts/bench_ops.py [--ops moe,attention,small] [--ms 1,8,32] [--rounds 3] [--json PATH]
-        [--no-reference] [--clocks CSV]
+        [--no-reference] [--clocks CSV] [--kernels]
 """
 
 from __future__ import annotations
@@ -222,10 +222,32 @@ def _error(provs: dict, p: str) -> float:
     return float("nan") if got is None else max_rel_err(got, want)
 
 
-def run(cases: list[tuple], bw: float, rounds: int, reference: bool, clocks: str | None = None) -> list[dict]:
+def kernel_times(calls: list) -> dict[str, float]:
+    """Each GPU kernel the calls launch and its time a call in us, from torch.profiler over one eager pass of
+    the calls after a warm one: where a provider's time goes (the twenty-ninth run found attention's reduce this
+    way). Empty without a GPU (the calls not run)."""
+    if not torch.cuda.is_available():
+        return {}
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            times[ev.name] = times.get(ev.name, 0.0) + ev.device_time / len(calls)
+    return times
+
+
+def run(cases: list[tuple], bw: float, rounds: int, reference: bool, clocks: str | None = None,
+        kernels: bool = False) -> list[dict]:
     """Time every case's providers in `rounds` alternating rounds; the references (the peers: MoE's takes up
     to about 0.1 s a call, launch by launch) in the first round only, or not at all without `reference`. With
-    `clocks` (nvidia-smi's log, `gpu_clocks.clock_log`), each row also says what it logged while its rounds ran."""
+    `clocks` (nvidia-smi's log, `gpu_clocks.clock_log`), each row also says what it logged while its rounds ran;
+    with `kernels`, each provider's kernels and their time a call (`kernel_times`, eager: not the graph's)."""
     times = {(c, p): [] for c in range(len(cases)) for p in cases[c][3] if reference or p != "reference"}
     windows = {key: [] for key in times}
     graphed = {}
@@ -255,11 +277,15 @@ def run(cases: list[tuple], bw: float, rounds: int, reference: bool, clocks: str
             us = statistics.median(ts)
             row = dict(op=name, m=m, provider=p, us=us, us_rounds=ts, floor_us=floor, pct_copy_bw=100 * floor / us,
                        cuda_graph=graphed[(c, p)], peer_us=peer, rel_err=errs.get((c, p), float("nan")),
-                       clocks=summary(logged(clocks, windows[(c, p)])) if clocks else None)
+                       clocks=summary(logged(clocks, windows[(c, p)])) if clocks else None,
+                       kernels=kernel_times(provs[p]) if kernels and p != "reference" else None)
             rows.append(row)
             print(f"{name:58s} M={m:<3d} {p:10s} {us:9.2f} us ({min(ts):.2f}-{max(ts):.2f})  floor {floor:8.2f} us "
                   f"{row['pct_copy_bw']:5.1f}%  reference {peer:9.2f} us  err {row['rel_err']:.1e}"
                   + ("" if row["cuda_graph"] else "  (launch by launch: not graphed)"), flush=True)
+            if row["kernels"] is not None:
+                print("    kernels a call: " + ("; ".join(f"{k} {v:.2f} us" for k, v in row["kernels"].items())
+                                               or "none on a GPU"), flush=True)
     for row in rows if clocks else ():
         print(f"{row['op']:58s} M={row['m']:<3d} {row['provider']:10s} while timed: {row['clocks']}")
     return rows
@@ -273,6 +299,8 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="leave the references (the peers) out: for runs compared with one that timed them")
+    ap.add_argument("--kernels", action="store_true", help="also each provider's GPU kernels and their time a "
+                    "call (torch.profiler over eager calls)")
     ap.add_argument("--clocks", default=None, help="nvidia-smi's log of the clocks while timing (CSV; default: a "
                     "temporary file)")
     args = ap.parse_args()
@@ -289,7 +317,7 @@ def main() -> int:
         if clocks is None:
             print("# no nvidia-smi: the clocks are not logged")
         for g in groups:
-            rows += run(known[g](ms), bw, args.rounds, args.reference, clocks)
+            rows += run(known[g](ms), bw, args.rounds, args.reference, clocks, args.kernels)
             torch.cuda.empty_cache()
             if args.json:
                 with open(args.json, "w") as f:

@@ -179,3 +179,10 @@ def test_host_cost_times_every_op_with_its_kernels_not_launched():
     bad = subprocess.run([sys.executable, str(SCRIPTS / "host_cost.py"), "--profile", "nope"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "the ops are rms_norm, linear" in bad.stderr
+
+
+def test_bench_ops_kernel_times_is_empty_without_a_gpu(tiny):
+    """`--kernels`' profile needs a GPU's kernels (on one, each kernel's name and time a call): on the CPU it names
+    none and runs nothing."""
+    ran = []
+    assert bench_ops.kernel_times([lambda: ran.append(0)]) == {} and ran == []
