@@ -115,8 +115,8 @@ def embedding_launch(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor |
     bits = _INT_OF_SIZE[table.element_size()]
     block = _row_block(table)
     _embedding_kernel[(N, cdiv(H, block))](ids.contiguous(), table.view(bits), y.view(bits), table.shape[0],
-                                                  H, table.stride(0), y.stride(0), y.stride(1), BLOCK_H=block,
-                                                  num_warps=4)
+                                           H, table.stride(0), y.stride(0), y.stride(1), BLOCK_H=block,
+                                           num_warps=4)
     return y
 
 
