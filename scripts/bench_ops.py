@@ -72,7 +72,8 @@ def _routings(n: int, e: int, k: int, gen) -> list[tuple[torch.Tensor, torch.Ten
     """CALLS (weights fp32 [n, k], ids int64 [n, k]) of distinct uniform random experts a row."""
     out = []
     for _ in range(CALLS):
-        ids = torch.rand(n, e, device=DEVICE, generator=gen).argsort(dim=1)[:, :k]
+        # contiguous, as the router writes them (a strided slice would add the launcher's copy to the time)
+        ids = torch.rand(n, e, device=DEVICE, generator=gen).argsort(dim=1)[:, :k].contiguous()
         w = torch.rand(n, k, device=DEVICE, generator=gen)
         out.append((w / w.sum(1, keepdim=True), ids))
     return out
@@ -238,8 +239,17 @@ def kernel_times(calls: list) -> dict[str, float]:
     times: dict[str, float] = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            times[ev.name] = times.get(ev.name, 0.0) + ev.device_time / len(calls)
+            name = short_kernel_name(ev.name)
+            times[name] = times.get(name, 0.0) + ev.device_time / len(calls)
     return times
+
+
+def short_kernel_name(name: str) -> str:
+    """A kernel's name without its template arguments and parameters: torch's copy kernel demangles to a
+    thousand characters of lambdas ("void at::native::elementwise_kernel<128, 2, ...>(int, ...)")."""
+    name = name.removeprefix("void ")
+    cut = min((i for i in (name.find("<"), name.find("(")) if i > 0), default=len(name))
+    return name[:cut]
 
 
 def run(cases: list[tuple], bw: float, rounds: int, reference: bool, clocks: str | None = None,

@@ -186,3 +186,13 @@ def test_bench_ops_kernel_times_is_empty_without_a_gpu(tiny):
     none and runs nothing."""
     ran = []
     assert bench_ops.kernel_times([lambda: ran.append(0)]) == {} and ran == []
+
+
+def test_bench_ops_short_kernel_name_drops_templates_and_parameters():
+    """`--kernels` prints a kernel by its name alone: torch's copy kernel demangles to about a thousand characters
+    (its first run on a GPU, the thirtieth, an H100, printed it whole)."""
+    copy = ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::"
+            "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>(int, at::native::x)")
+    assert bench_ops.short_kernel_name(copy) == "at::native::elementwise_kernel"
+    assert bench_ops.short_kernel_name("_moe_blend_kernel") == "_moe_blend_kernel"
+    assert bench_ops.short_kernel_name("void gemv2T_kernel_val(int, float)") == "gemv2T_kernel_val"
