@@ -506,12 +506,31 @@ def _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, 
 
 
 @triton.jit
-def x_f16_pairs_step(x_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     USE_ASM: tl.constexpr):
-    """The 8 x pairs of each block of the K step from element kk, made from x (16-bit) times x_scale (2^e,
-    `x_exponent`), as a tuple of [BK/16] int32 words of two fp16 (`_x_pairs` order): what
-    `nvfp4_f16_block_sums` takes, for the GEMVs whose x has no pass of its own (the MoE experts)."""
-    return _gemv_x_step(x_ptr, x_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K, False, USE_ASM)
+def x_f16_pairs_step(x_ptr, kk, K, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """The 8 x pairs of each block of the K step from element kk, made from a contiguous row of x (16-bit) times
+    x_scale (2^e, `x_exponent`), as a tuple of [BK/16] int32 words of two fp16 (`_x_pairs` order): what
+    `nvfp4_f16_block_sums` takes, for the GEMVs whose x has no pass of its own (the MoE experts). The step is
+    one [BK/16, 16] load, split into the pairs in registers: as 16 loads of one element a block (`_x_pairs`)
+    each program waited on them every step (the thirtieth run's profile, H100: their first use held 55% of the
+    warps' stall samples), and the GEMVs were 1.18-1.31x slower."""
+    NB: tl.constexpr = BLOCK_K // 16
+    blk = kk // 16 + tl.arange(0, NB)
+    xp = x_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    if EVEN_K:
+        xv = tl.load(xp)
+    else:
+        xv = tl.load(xp, mask=(blk < K // 16)[:, None], other=0.0)
+    # element 8 w + 4 a + 2 b + c of a block (word w): the pair (b = 0, b = 1) of each (w, c, a)
+    x5 = tl.permute(tl.reshape(xv.to(tl.float32) * x_scale, [NB, 2, 2, 2, 2]), [0, 1, 4, 2, 3])  # [NB, w, c, a, b]
+    lo, hi = tl.split(x5)
+    a0, a1 = tl.split(_f16x2(lo, hi, USE_ASM))                       # [NB, w, c] each
+    c00, c10 = tl.split(a0)
+    c01, c11 = tl.split(a1)
+    p00, p10 = tl.split(c00)                                         # [NB] each: (c, a) = (0, 0) of word 0, 1
+    p01, p11 = tl.split(c01)                                         # (0, 1): elements 4 and 6
+    p02, p12 = tl.split(c10)                                         # (1, 0): elements 1 and 3
+    p03, p13 = tl.split(c11)                                         # (1, 1): elements 5 and 7
+    return p00, p01, p02, p03, p10, p11, p12, p13
 
 
 @triton.jit

@@ -597,7 +597,7 @@ def _moe_gate_up_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, H, I, E
                 # the next step's words in flight during this one's sums (past H: masked, nothing read)
                 gw_next, gs_next = nvfp4_words(g_rows, gs_rows, i_ok, k0 + BH, H, BH)
                 uw_next, us_next = nvfp4_words(u_rows, us_rows, i_ok, k0 + BH, H, BH)
-                p = x_f16_pairs_step(x_row, k0, H, 1, x_scale, BH, EVEN_K, USE_ASM)
+                p = x_f16_pairs_step(x_row, k0, H, x_scale, BH, EVEN_K, USE_ASM)
                 acc_g = nvfp4_f16_block_sums(acc_g, gw, gs, p, BI, BH // 16, USE_ASM)
                 acc_u = nvfp4_f16_block_sums(acc_u, uw, us, p, BI, BH // 16, USE_ASM)
                 gw, gs, uw, us = gw_next, gs_next, uw_next, us_next
@@ -642,7 +642,7 @@ def _moe_down_gemv_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, part_ptr,
             h_scale = pow2(e_h)
             for k0 in range(0, I, BI):
                 dw_next, ds_next = nvfp4_words(d_rows, ds_rows, o_ok, k0 + BI, I, BI)   # as gate_up's
-                p = x_f16_pairs_step(h_row, k0, I, 1, h_scale, BI, EVEN_K, USE_ASM)
+                p = x_f16_pairs_step(h_row, k0, I, h_scale, BI, EVEN_K, USE_ASM)
                 acc = nvfp4_f16_block_sums(acc, dw, ds, p, BHO, BI // 16, USE_ASM)
                 dw, ds = dw_next, ds_next
             y = times_pow2(tl.sum(acc, axis=1), 6 - e_h) * tl.load(g_ptr + e64)
