@@ -512,11 +512,12 @@ def x_pass_pdl(x: torch.Tensor) -> bool:
     Then the pass's kernel, compiled with PDL, calls `gdc_launch_dependents` first, and the kernel after it
     calls `gdc_wait` before anything else, so it reads the pass's output only after the pass ends. (The
     interpreter drops the launch option.)"""
-    return x.is_cuda and X_PASS_PDL and _has_pdl(x.device)
+    return x.is_cuda and X_PASS_PDL and has_pdl(x.device)
 
 
 @functools.lru_cache(maxsize=None)
-def _has_pdl(device: torch.device) -> bool:
+def has_pdl(device: torch.device) -> bool:
+    """Whether a CUDA device has programmatic dependent launch (`griddepcontrol`: sm_90 on)."""
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
@@ -532,7 +533,7 @@ def tma_refusal(x: torch.Tensor, weight: torch.Tensor, scaled: bool) -> str | No
         return f"M = {m}: it takes 2 to {MAX_M} rows"
     if x.shape[1] == 0:
         return "K = 0: a TMA descriptor takes no empty dimension"
-    if x.is_cuda and not _has_pdl(x.device):                        # TMA came with PDL, in sm_90
+    if x.is_cuda and not has_pdl(x.device):                        # TMA came with PDL, in sm_90
         return f"x on {x.device}, capability {torch.cuda.get_device_capability(x.device)}: it needs TMA (sm_90 on)"
     return tma_layout_refusal("x", x) or tma_layout_refusal("weight", weight)
 

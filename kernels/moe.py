@@ -31,6 +31,14 @@ Triton providers (DESIGN 4):
   dequantized weight, value * scale * global, to x's dtype before its matmul: the two differ by that rounding
   (at most half an ulp of x's dtype a weight). `tl.dot_scaled` is not used: its e2m1 path does not compile for
   Hopper under Triton 3.6.
+- `fused_moe_nvfp4` at N <= `GEMV_MAX_ROWS` rows (a decode step): GEMVs over the (row, slot) pairs instead,
+  one program per (pair, tile of weight rows), owners only (`_pair_owner`), tiles by the grid
+  (`_gemv_tiles`). For 16-bit x each 16-element block is summed in fp16 pairs as the LM head's W4A16 GEMV
+  sums it (`nvfp4_f16_block_sums`), x (or h) first scaled by 2^e from a scan of its row, each K step's x
+  read in one 2-D load (`x_f16_pairs_step`) and the weights a step ahead; fp32 x takes the fp32 step. The
+  down GEMV writes each pair's output to its slot's fp32 partial and `_moe_blend_kernel` sums the slots in
+  order and blends. On sm_90 the down GEMV and the blend are programmatic dependent launches (`gemv_pdl`):
+  the down GEMV's programs read their routing and first weights while gate_up still runs.
 
 What each provider takes is one rule, its predicate and the error its `*_triton` entry point raises when called
 directly (`moe_route_softmax_refusal`, `fused_moe_refusal`, `fused_moe_nvfp4_refusal`): each names the argument at
@@ -50,11 +58,12 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
-from mtpfactory.kernels.linear import dot_acc, lowp_dot, x_exponent, x_scan_block
+from mtpfactory.kernels.linear import dot_acc, has_pdl, lowp_dot, x_exponent, x_scan_block
 from mtpfactory.kernels.linear_nvfp4 import (decoded_tile, gemv_nvfp4_step, nvfp4_f16_block_sums, nvfp4_words,
                                              permuted_x, words_refusal, x_f16_pairs_step)
 from mtpfactory.ops import (Op, broadcasts_to, cdiv, next_power_of_2, out_refusal, outs_overlap_refusal,
@@ -569,13 +578,15 @@ def _pair_owner(ids_ptr, pair, E, TOP_K: tl.constexpr, KP: tl.constexpr):
 def _moe_gate_up_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, H, I, E, stride_xm, stride_we, stride_wn,
                              stride_se, stride_sn, TOP_K: tl.constexpr, KP: tl.constexpr, BI: tl.constexpr,
                              BH: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr, XBLOCK: tl.constexpr,
-                             ACT: tl.constexpr, INTERP: tl.constexpr, USE_ASM: tl.constexpr):
+                             ACT: tl.constexpr, INTERP: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """NVFP4 experts, few rows (`GEMV_MAX_ROWS`): h[pair, i] = silu(gate_e x_n)_i * (up_e x_n)_i for the pair's
     expert e, one program per ((row n, slot) pair, tile of BI intermediate columns), owners only
     (`_pair_owner`), as GEMVs: at a decode step's few rows most experts serve one row, and the dot kernel's 16
     rows a group would be mostly padding. F16 (16-bit x): x's row times 2^e (`x_exponent`, exact in fp16)
     summed against each block in fp16 pairs (`nvfp4_f16_block_sums`, as the LM head's GEMV); fp32 x: the fp32
-    step (`gemv_nvfp4_step`)."""
+    step (`gemv_nvfp4_step`). PDL: the down kernel may launch at once (`gemv_pdl`)."""
+    if PDL:
+        gdc_launch_dependents()
     pair = tl.program_id(0)
     n, j, e, owned, _ = _pair_owner(ids_ptr, pair, E, TOP_K, KP)
     if owned:
@@ -617,27 +628,34 @@ def _moe_gate_up_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, H, I, E
 def _moe_down_gemv_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, part_ptr, N, H, I, E, stride_we, stride_wn,
                           stride_se, stride_sn, TOP_K: tl.constexpr, KP: tl.constexpr, BHO: tl.constexpr,
                           BI: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr, XBLOCK: tl.constexpr,
-                          ACT: tl.constexpr, INTERP: tl.constexpr, USE_ASM: tl.constexpr):
+                          ACT: tl.constexpr, INTERP: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """NVFP4 experts, few rows: part[slot, n, o] = w * round(down_e h[pair])_o for each (row n, slot) pair, w the
     row's weights of expert e summed; zero where the pair is not its expert's owner (`_pair_owner`). One program
     per (pair, tile of BHO output columns); `_moe_blend_kernel` sums the slots in order and blends. F16: h's row
-    as the gate_up kernel takes x's."""
+    as the gate_up kernel takes x's. PDL (`gemv_pdl`): launched while gate_up runs, each program reads its
+    pair's routing and the weights of its first K step, then waits for gate_up to end before it reads h; and
+    lets the blend launch at once."""
+    if PDL:
+        gdc_launch_dependents()
     pair = tl.program_id(0)
     n, j, e, owned, row_ids = _pair_owner(ids_ptr, pair, E, TOP_K, KP)
     oo = tl.program_id(1) * BHO + tl.arange(0, BHO)
     o_ok = oo < H
+    e64 = tl.where(owned, e, 0).to(tl.int64)                # e past E (or -1) is never read: owners only
+    d_rows = w_ptr + e64 * stride_we + oo[:, None].to(tl.int64) * stride_wn                         # [BHO, 1]
+    ds_rows = s_ptr + e64 * stride_se + oo[:, None].to(tl.int64) * stride_sn
+    if F16:
+        dw, ds = nvfp4_words(d_rows, ds_rows, o_ok & owned, 0, I, BI)  # step 0 in flight during h's scan
+    slots = tl.arange(0, KP)
+    tw = tl.load(tw_ptr + n * TOP_K + slots, mask=slots < TOP_K, other=0.0)
+    if PDL:
+        gdc_wait()                                          # every program: this grid ends after gate_up's
     val = tl.zeros([BHO], tl.float32)
     if owned:
-        e64 = e.to(tl.int64)
-        slots = tl.arange(0, KP)
-        tw = tl.load(tw_ptr + n * TOP_K + slots, mask=slots < TOP_K, other=0.0)
         weight = tl.sum(tl.where(row_ids == e, tw, 0.0), axis=0)
-        d_rows = w_ptr + e64 * stride_we + oo[:, None].to(tl.int64) * stride_wn                     # [BHO, 1]
-        ds_rows = s_ptr + e64 * stride_se + oo[:, None].to(tl.int64) * stride_sn
         h_row = h_ptr + pair.to(tl.int64) * I
         acc = tl.zeros([BHO, BI // 16], tl.float32)
         if F16:
-            dw, ds = nvfp4_words(d_rows, ds_rows, o_ok, 0, I, BI)          # step 0 in flight during h's scan
             e_h = x_exponent(h_row, 0, I, 1, XBLOCK)
             h_scale = pow2(e_h)
             for k0 in range(0, I, BI):
@@ -657,8 +675,11 @@ def _moe_down_gemv_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, part_ptr,
 @triton.jit
 def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_ps, stride_som, stride_sgm, stride_om,
                       BM: tl.constexpr, BHO: tl.constexpr, HAS_SHARED: tl.constexpr, ACT: tl.constexpr,
-                      INTERP: tl.constexpr):
-    """out = sum over the splits of part[s] (in split order: deterministic) + the shared blend."""
+                      INTERP: tl.constexpr, PDL: tl.constexpr = False):
+    """out = sum over the splits of part[s] (in split order: deterministic) + the shared blend. PDL: launched
+    while the down kernel runs (`gemv_pdl`), it waits for it to end."""
+    if PDL:
+        gdc_wait()
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)      # times H or a row stride: past 2^31
     oo = tl.program_id(1) * BHO + tl.arange(0, BHO)
     row_ok, o_ok = rows < N, oo < H
@@ -795,6 +816,18 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     return out
 
 
+# On the GPU the GEMVs' down kernel and the blend are programmatic dependent launches (`gemv_pdl`)
+GEMV_PDL = True
+
+
+def gemv_pdl(x: torch.Tensor) -> bool:
+    """Whether the NVFP4 experts' down GEMV and the blend after it are programmatic dependent launches
+    (`launch_pdl`): while `GEMV_PDL` is set, on a GPU that has it (sm_90 on). The down kernel's programs then
+    start while gate_up's run, read their routing and first weights, and wait (`gdc_wait`) before reading h;
+    the blend's wait before reading the down kernel's partials. (The interpreter drops the launch option.)"""
+    return x.is_cuda and GEMV_PDL and has_pdl(x.device)
+
+
 @functools.lru_cache(maxsize=256)
 def _gemv_tiles(pairs: int, hidden: int, inter: int, sms: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """The GEMVs' tiles, ((BI, BH) of gate_up, (BHO, BI_K) of down): weight rows a program and its K step
@@ -812,8 +845,9 @@ def _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shar
     of each row's slots in order (deterministic)."""
     w_gu, s_gu, g_gu, w_dn, s_dn, g_dn = tensors
     n, hidden = x.shape
+    pdl = gemv_pdl(x)
     consts = dict(TOP_K=top_k, KP=next_power_of_2(top_k), F16=x.dtype != torch.float32, ACT=ACT_DTYPES[x.dtype],
-                  INTERP=x.device.type == "cpu", USE_ASM=x.is_cuda)
+                  INTERP=x.device.type == "cpu", USE_ASM=x.is_cuda, PDL=pdl)
     # the interpreter runs the programs one by one, each step vectorized over its tile: the fewest, largest there
     (bi, bk), (bho, bk_down) = _gemv_tiles(n * top_k, hidden, inter, _sm_count(x.device) if x.is_cuda else 1)
     _moe_gate_up_gemv_kernel[(n * top_k, cdiv(inter, bi))](
@@ -824,10 +858,10 @@ def _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shar
     _moe_down_gemv_kernel[(n * top_k, cdiv(hidden, bho))](
         h, ids, tw, w_dn, s_dn, g_dn, part, n, hidden, inter, w_dn.shape[0], w_dn.stride(0), w_dn.stride(1),
         s_dn.stride(0), s_dn.stride(1), BHO=bho, BI=bk_down, EVEN_K=inter % bk_down == 0, XBLOCK=x_scan_block(inter),
-        num_warps=4, **consts)
+        num_warps=4, launch_pdl=pdl, **consts)
     _moe_blend_kernel[(n, cdiv(hidden, 128))](
         part, so, sg, out, n, hidden, top_k, part.stride(0), so.stride(0), sg.stride(0), out.stride(0), BM=1, BHO=128,
-        HAS_SHARED=has_shared, ACT=consts["ACT"], INTERP=consts["INTERP"])
+        HAS_SHARED=has_shared, ACT=consts["ACT"], INTERP=consts["INTERP"], PDL=pdl, launch_pdl=pdl)
     return out
 
 

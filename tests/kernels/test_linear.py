@@ -27,7 +27,7 @@ from mtpfactory.kernels.linear import (
     TMA_MIN_N,
     TMA_TILE,
     GemvPlan,
-    _has_pdl,
+    has_pdl,
     _linear_native,
     linear,
     linear_triton,
@@ -404,11 +404,11 @@ def test_pdl_only_where_the_gpu_has_it(capability, pdl, monkeypatch):
     """The kernels after x's pass launch beside it only on sm_90 and later (`griddepcontrol` does not assemble
     before: sm_89 runs the NVFP4 and FP8 paths, so it must not get it); never on the CPU."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    _has_pdl.cache_clear()
+    has_pdl.cache_clear()
     try:
-        assert _has_pdl(torch.device("cuda", 0)) is pdl
+        assert has_pdl(torch.device("cuda", 0)) is pdl
     finally:
-        _has_pdl.cache_clear()
+        has_pdl.cache_clear()
     assert x_pass_pdl(torch.zeros(1, 16)) is False
 
 
