@@ -446,6 +446,24 @@ def test_fused_moe_nvfp4_triton_matches_reference(shape, dtype, nvfp4_path):
     scaled_close(got, want, TOL[dtype])
 
 
+@pytest.mark.parametrize("capability,pdl", [((8, 9), False), ((9, 0), True)])
+def test_moe_gemvs_launch_with_pdl_only_on_a_gpu_that_has_it(capability, pdl, monkeypatch):
+    """The down GEMV and the blend launch beside the kernel before them on sm_90 and later only (sm_89 runs the
+    NVFP4 experts and has no `griddepcontrol`), never on the CPU, and not with the switch off."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    moe.has_pdl.cache_clear()
+    try:
+        x = torch.zeros(1, 16)
+        assert moe.gemv_pdl(x) is pdl
+        monkeypatch.setattr(moe, "GEMV_PDL", False)
+        assert moe.gemv_pdl(x) is False
+    finally:
+        moe.has_pdl.cache_clear()
+    monkeypatch.undo()
+    assert moe.gemv_pdl(torch.zeros(1, 16)) is False
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gate_up_rows,down_rows", [(8, 32), (16, 64), (32, 32)])
 def test_fused_moe_nvfp4_gemvs_at_the_gpus_tiles(gate_up_rows, down_rows, dtype, monkeypatch):
