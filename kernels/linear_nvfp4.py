@@ -481,11 +481,14 @@ def _x_pairs_step(pairs_ptr, kk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr)
 
 @triton.jit
 def _gemv_x_step(x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr):
+                 X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr, X_CONTIG: tl.constexpr = False):
     """Each block's x pairs of the K step from element kk (`_x_pairs`: the block's first word's four, then
-    its second word's): with X_PAIRS those `_x_f16_pairs_kernel` wrote, else built here from x."""
+    its second word's): with X_PAIRS those `_x_f16_pairs_kernel` wrote, else built here from x, in one 2-D
+    load where x is contiguous (X_CONTIG, `x_f16_pairs_step`), else element by element."""
     if X_PAIRS:
         return _x_pairs_step(pairs_ptr, kk, K, BLOCK_K, EVEN_K)
+    elif X_CONTIG:
+        return x_f16_pairs_step(x_ptr, kk, K, x_scale, BLOCK_K, EVEN_K, USE_ASM)
     else:
         blk = kk // 16 + tl.arange(0, BLOCK_K // 16)                 # [NB]
         mask_b = None if EVEN_K else blk < K // 16
@@ -497,11 +500,12 @@ def _gemv_x_step(x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.conste
 
 @triton.jit
 def _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr):
+                   EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
+                   X_CONTIG: tl.constexpr = False):
     """The K step from element kk: its words and scale bytes, and its x pairs."""
     wv, sb = _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K, EVEN_K)
     a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K,
-                                                  X_PAIRS, USE_ASM)
+                                                  X_PAIRS, USE_ASM, X_CONTIG)
     return wv, sb, a0, a1, a2, a3, b0, b1, b2, b3
 
 
@@ -630,7 +634,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
                            stride_xk, stride_wn, stride_sn, stride_on,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            AHEAD: tl.constexpr, X_PAIRS: tl.constexpr, XBLOCK: tl.constexpr, SPLIT: tl.constexpr,
-                           USE_ASM: tl.constexpr, PDL: tl.constexpr):
+                           USE_ASM: tl.constexpr, PDL: tl.constexpr, X_CONTIG: tl.constexpr = False):
     """M = 1 with 16-bit x: out[n] = sum_k x[k] * w[n, k]. x is first scaled by a power of two 2^e that
     puts its largest magnitude in this program's K slice in [2^11, 2^12) (exact; X_PAIRS: `_x_f16_pairs_kernel`
     did that once for every program and left e and the fp16 pairs at exp_ptr and pairs_ptr), then each
@@ -654,7 +658,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
     acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     if AHEAD and not X_PAIRS:
         a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, pairs_ptr, k_start, K, stride_xk, x_scale, BLOCK_K,
-                                                      EVEN_K, X_PAIRS, USE_ASM)
+                                                      EVEN_K, X_PAIRS, USE_ASM, X_CONTIG)
     for k0 in range(0, k_per_split, BLOCK_K):
         if AHEAD:   # the next step's operands in flight while this one computes (the last step reloads itself)
             kk = k_start + tl.minimum(k0 + BLOCK_K, k_per_split - BLOCK_K)
@@ -664,11 +668,11 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
                                                               BLOCK_K, EVEN_K, X_PAIRS, USE_ASM)
             else:
                 nxt = _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K,
-                                     X_PAIRS, USE_ASM)
+                                     X_PAIRS, USE_ASM, X_CONTIG)
         else:
             wv, sb, a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, k_start + k0, K,
                                                                    stride_xk, x_scale, BLOCK_K, EVEN_K, X_PAIRS,
-                                                                   USE_ASM)
+                                                                   USE_ASM, X_CONTIG)
         acc = nvfp4_f16_block_sums(acc, wv, sb, (a0, a1, a2, a3, b0, b1, b2, b3), BLOCK_N, NB, USE_ASM)
         if AHEAD and X_PAIRS:
             wv, sb = nxt_w, nxt_s
@@ -1361,7 +1365,7 @@ def _run_planned(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                 plan.k_per_split, x.stride(1), words.stride(0), scale_bits.stride(0), out.stride(1),
                 BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.k_per_split == 0,
                 AHEAD=plan.num_stages > 1, X_PAIRS=x_pass, XBLOCK=x_scan_block(plan.k_per_split, 2048),
-                SPLIT=part is not None, USE_ASM=x.is_cuda, PDL=pdl,
+                SPLIT=part is not None, USE_ASM=x.is_cuda, PDL=pdl, X_CONTIG=x.stride(1) == 1,
                 num_warps=plan.num_warps, num_stages=1, launch_pdl=pdl)
     elif plan.block_m == 1:
         _gemv_nvfp4_kernel[grid](
