@@ -824,7 +824,9 @@ def gemv_pdl(x: torch.Tensor) -> bool:
     """Whether the NVFP4 experts' down GEMV and the blend after it are programmatic dependent launches
     (`launch_pdl`): while `GEMV_PDL` is set, on a GPU that has it (sm_90 on). The down kernel's programs then
     start while gate_up's run, read their routing and first weights, and wait (`gdc_wait`) before reading h;
-    the blend's wait before reading the down kernel's partials. (The interpreter drops the launch option.)"""
+    the blend's wait before reading the down kernel's partials. (The interpreter drops the launch option.)
+    gate_up itself stays an ordinary launch: the routing the down kernel reads before its wait is then complete
+    (were gate_up launched early too, the routing kernel before it might still be writing the ids)."""
     return x.is_cuda and GEMV_PDL and has_pdl(x.device)
 
 
