@@ -37,8 +37,10 @@ Triton providers (DESIGN 4):
   sums it (`nvfp4_f16_block_sums`), x (or h) first scaled by 2^e from a scan of its row, each K step's x
   read in one 2-D load (`x_f16_pairs_step`) and the weights a step ahead; fp32 x takes the fp32 step. The
   down GEMV writes each pair's output to its slot's fp32 partial and `_moe_blend_kernel` sums the slots in
-  order and blends. On sm_90 the down GEMV and the blend are programmatic dependent launches (`gemv_pdl`):
-  the down GEMV's programs read their routing and first weights while gate_up still runs.
+  order and blends.
+On sm_90, at a decode step's rows, the down kernel (dot or GEMV) and the blend are programmatic dependent
+launches (`moe_pdl`): the down kernel's programs read their routing (the GEMV's, its first weights too) while
+gate_up still runs.
 
 What each provider takes is one rule, its predicate and the error its `*_triton` entry point raises when called
 directly (`moe_route_softmax_refusal`, `fused_moe_refusal`, `fused_moe_nvfp4_refusal`): each names the argument at
@@ -462,9 +464,11 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr,
                         N, H, I, E, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                         C, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr,
                         BH: tl.constexpr, BY_EXPERT: tl.constexpr, NVFP4: tl.constexpr, ACT: tl.constexpr,
-                        INTERP: tl.constexpr, LOWP_DOT: tl.constexpr, USE_ASM: tl.constexpr):
+                        INTERP: tl.constexpr, LOWP_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """h[n * k + j, i] = silu(gate_e x_n)_i * (up_e x_n)_i for e = ids[n, j], over one tile of I; one
-    program per (row group, candidate c < C)."""
+    program per (row group, candidate c < C). PDL: the down kernel may launch at once (`moe_pdl`)."""
+    if PDL:
+        gdc_launch_dependents()
     group = tl.program_id(0) // C
     rows, ids, local = _group_pairs(ids_ptr, N, TOP_K, KP, BM, group)
     e, owned = _candidate(ids_ptr, ids, local, group * BM * TOP_K, tl.program_id(0) % C,
@@ -512,10 +516,14 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
                      stride_om, C, SPLIT, TOP_K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BHO: tl.constexpr,
                      BI: tl.constexpr, BY_EXPERT: tl.constexpr, NVFP4: tl.constexpr, HAS_SHARED: tl.constexpr,
                      PARTIAL: tl.constexpr, ACT: tl.constexpr, INTERP: tl.constexpr, LOWP_DOT: tl.constexpr,
-                     USE_ASM: tl.constexpr):
+                     USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """out[n, o] = sum_j tw[n, j] * round(down_e h[n * k + j])_o + sigmoid(sg[n]) * so[n, o], over one tile
     of H. One program per (row group, split, tile); split s takes candidates s, s + SPLIT, ... With
-    PARTIAL (SPLIT > 1) it stores its fp32 sum in part[s, n, o] for `_moe_blend_kernel`."""
+    PARTIAL (SPLIT > 1) it stores its fp32 sum in part[s, n, o] for `_moe_blend_kernel`. PDL (`moe_pdl`):
+    launched while gate_up runs, it reads its group's routing, then waits for gate_up to end; and lets the
+    blend launch at once."""
+    if PDL:
+        gdc_launch_dependents()
     group = tl.program_id(0) // SPLIT
     split = tl.program_id(0) % SPLIT
     rows, ids, local = _group_pairs(ids_ptr, N, TOP_K, KP, BM, group)
@@ -523,6 +531,8 @@ def _moe_down_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, so_ptr, sg_ptr
     slots = tl.arange(0, KP)
     tw = tl.load(tw_ptr + rows[:, None] * TOP_K + slots[None, :],
                  mask=row_ok[:, None] & (slots < TOP_K)[None, :], other=0.0).to(tl.float32)  # [BM, KP]
+    if PDL:
+        gdc_wait()                                          # h is gate_up's
     oo = tl.program_id(1) * BHO + tl.arange(0, BHO)
     o_ok = oo < H
     acc = tl.zeros((BM, BHO), tl.float32)
@@ -584,7 +594,7 @@ def _moe_gate_up_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, H, I, E
     (`_pair_owner`), as GEMVs: at a decode step's few rows most experts serve one row, and the dot kernel's 16
     rows a group would be mostly padding. F16 (16-bit x): x's row times 2^e (`x_exponent`, exact in fp16)
     summed against each block in fp16 pairs (`nvfp4_f16_block_sums`, as the LM head's GEMV); fp32 x: the fp32
-    step (`gemv_nvfp4_step`). PDL: the down kernel may launch at once (`gemv_pdl`)."""
+    step (`gemv_nvfp4_step`). PDL: the down kernel may launch at once (`moe_pdl`)."""
     if PDL:
         gdc_launch_dependents()
     pair = tl.program_id(0)
@@ -632,7 +642,7 @@ def _moe_down_gemv_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, part_ptr,
     """NVFP4 experts, few rows: part[slot, n, o] = w * round(down_e h[pair])_o for each (row n, slot) pair, w the
     row's weights of expert e summed; zero where the pair is not its expert's owner (`_pair_owner`). One program
     per (pair, tile of BHO output columns); `_moe_blend_kernel` sums the slots in order and blends. F16: h's row
-    as the gate_up kernel takes x's. PDL (`gemv_pdl`): launched while gate_up runs, each program reads its
+    as the gate_up kernel takes x's. PDL (`moe_pdl`): launched while gate_up runs, each program reads its
     pair's routing and the weights of its first K step, then waits for gate_up to end before it reads h; and
     lets the blend launch at once."""
     if PDL:
@@ -677,7 +687,7 @@ def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_ps,
                       BM: tl.constexpr, BHO: tl.constexpr, HAS_SHARED: tl.constexpr, ACT: tl.constexpr,
                       INTERP: tl.constexpr, PDL: tl.constexpr = False):
     """out = sum over the splits of part[s] (in split order: deterministic) + the shared blend. PDL: launched
-    while the down kernel runs (`gemv_pdl`), it waits for it to end."""
+    while the down kernel runs (`moe_pdl`), it waits for it to end."""
     if PDL:
         gdc_wait()
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)      # times H or a row stride: past 2^31
@@ -791,8 +801,10 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     cand = min(n, bm) * top_k
     by_expert = w_gu.shape[0] < cand
     cand = w_gu.shape[0] if by_expert else cand
+    pdl = moe_pdl(x)
     consts = dict(C=cand, TOP_K=top_k, KP=next_power_of_2(top_k), BM=bm, BY_EXPERT=by_expert, NVFP4=nvfp4,
-                  ACT=ACT_DTYPES[x.dtype], INTERP=x.device.type == "cpu", LOWP_DOT=lowp_dot(x), USE_ASM=x.is_cuda)
+                  ACT=ACT_DTYPES[x.dtype], INTERP=x.device.type == "cpu", LOWP_DOT=lowp_dot(x), USE_ASM=x.is_cuda,
+                  PDL=pdl)
     t = _tiles(hidden, inter, nvfp4)
     s_strides = (s_gu.stride(0), s_gu.stride(1)) if nvfp4 else (0, 0)
     _moe_gate_up_kernel[(groups * cand, cdiv(inter, t["BI"]))](
@@ -808,26 +820,32 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     _moe_down_kernel[(groups * split, tiles)](
         h, ids, tw, w_dn, s_dn, g_dn, so, sg, out, part, n, hidden, inter, w_dn.shape[0], w_dn.stride(0),
         w_dn.stride(1), *s_strides, *strides, SPLIT=split, BHO=t["BHO"], BI=t["BI_K"], HAS_SHARED=has_shared,
-        PARTIAL=split > 1, num_warps=t["warps"], **consts)
+        PARTIAL=split > 1, num_warps=t["warps"], launch_pdl=pdl, **consts)
     if split > 1:
         _moe_blend_kernel[(n, cdiv(hidden, 128))](
             part, so, sg, out, n, hidden, split, part.stride(0), *strides, BM=1, BHO=128, HAS_SHARED=has_shared,
-            ACT=consts["ACT"], INTERP=consts["INTERP"])
+            ACT=consts["ACT"], INTERP=consts["INTERP"], PDL=pdl, launch_pdl=pdl)
     return out
 
 
-# On the GPU the GEMVs' down kernel and the blend are programmatic dependent launches (`gemv_pdl`)
-GEMV_PDL = True
+# On the GPU, at up to GEMV_MAX_ROWS rows, the down kernel and the blend are programmatic dependent launches
+# (`moe_pdl`). H100, graph replays, Qwen3-Next's experts (BENCHMARKS.md, thirtieth run), without -> with:
+# - NVFP4 GEMVs at N = 1 / 8 / 32: 17.58 / 67.62 / 210.14 us -> 15.19 / 65.80 / 210.47;
+# - BF16 dots at N = 1 / 8 / 32: 31.27 / 166.05 / 551.62 -> 29.81 / 165.22 / 551.71;
+# - at N = 64, no gain: BF16 1022.20 -> 1024.74, NVFP4 1428.52 -> 1428.37 (gate_up runs several waves there,
+#   and the down programs launched early hold SM slots while they wait).
+MOE_PDL = True
 
 
-def gemv_pdl(x: torch.Tensor) -> bool:
-    """Whether the NVFP4 experts' down GEMV and the blend after it are programmatic dependent launches
-    (`launch_pdl`): while `GEMV_PDL` is set, on a GPU that has it (sm_90 on). The down kernel's programs then
-    start while gate_up's run, read their routing and first weights, and wait (`gdc_wait`) before reading h;
-    the blend's wait before reading the down kernel's partials. (The interpreter drops the launch option.)
-    gate_up itself stays an ordinary launch: the routing the down kernel reads before its wait is then complete
-    (were gate_up launched early too, the routing kernel before it might still be writing the ids)."""
-    return x.is_cuda and GEMV_PDL and has_pdl(x.device)
+def moe_pdl(x: torch.Tensor) -> bool:
+    """Whether the experts' down kernel (GEMV or dot) and the blend after it are programmatic dependent launches
+    (`launch_pdl`): while `MOE_PDL` is set, for up to GEMV_MAX_ROWS rows of x (a decode step), on a GPU that has
+    it (sm_90 on). The down kernel's programs then start while gate_up's run, read their routing (the GEMV: and
+    its first weights), and wait (`gdc_wait`, every program) before reading h; the blend waits before reading
+    the down kernel's partials. (The interpreter drops the launch option.) gate_up itself stays an ordinary
+    launch: the routing the down kernel reads before its wait is then complete (were gate_up launched early
+    too, the routing kernel before it might still be writing the ids)."""
+    return x.is_cuda and MOE_PDL and x.shape[0] <= GEMV_MAX_ROWS and has_pdl(x.device)
 
 
 @functools.lru_cache(maxsize=256)
@@ -847,7 +865,7 @@ def _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shar
     of each row's slots in order (deterministic)."""
     w_gu, s_gu, g_gu, w_dn, s_dn, g_dn = tensors
     n, hidden = x.shape
-    pdl = gemv_pdl(x)
+    pdl = moe_pdl(x)
     consts = dict(TOP_K=top_k, KP=next_power_of_2(top_k), F16=x.dtype != torch.float32, ACT=ACT_DTYPES[x.dtype],
                   INTERP=x.device.type == "cpu", USE_ASM=x.is_cuda, PDL=pdl)
     # the interpreter runs the programs one by one, each step vectorized over its tile: the fewest, largest there

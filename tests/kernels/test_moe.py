@@ -447,21 +447,24 @@ def test_fused_moe_nvfp4_triton_matches_reference(shape, dtype, nvfp4_path):
 
 
 @pytest.mark.parametrize("capability,pdl", [((8, 9), False), ((9, 0), True)])
-def test_moe_gemvs_launch_with_pdl_only_on_a_gpu_that_has_it(capability, pdl, monkeypatch):
-    """The down GEMV and the blend launch beside the kernel before them on sm_90 and later only (sm_89 runs the
-    NVFP4 experts and has no `griddepcontrol`), never on the CPU, and not with the switch off."""
+def test_moe_launches_with_pdl_only_at_few_rows_on_a_gpu_that_has_it(capability, pdl, monkeypatch):
+    """The down kernel and the blend launch beside the kernel before them at up to GEMV_MAX_ROWS rows on sm_90 and
+    later only (sm_89 runs the NVFP4 experts and has no `griddepcontrol`), never on the CPU, and not with the
+    switch off."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     moe.has_pdl.cache_clear()
     try:
         x = torch.zeros(1, 16)
-        assert moe.gemv_pdl(x) is pdl
-        monkeypatch.setattr(moe, "GEMV_PDL", False)
-        assert moe.gemv_pdl(x) is False
+        assert moe.moe_pdl(x) is pdl
+        assert moe.moe_pdl(torch.zeros(moe.GEMV_MAX_ROWS, 16)) is pdl
+        assert moe.moe_pdl(torch.zeros(moe.GEMV_MAX_ROWS + 1, 16)) is False      # several waves of gate_up
+        monkeypatch.setattr(moe, "MOE_PDL", False)
+        assert moe.moe_pdl(x) is False
     finally:
         moe.has_pdl.cache_clear()
     monkeypatch.undo()
-    assert moe.gemv_pdl(torch.zeros(1, 16)) is False
+    assert moe.moe_pdl(torch.zeros(1, 16)) is False
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
