@@ -3,9 +3,9 @@ experts stored unquantized (`fused_moe`) or NVFP4 (`fused_moe_nvfp4`, W4A16), th
 top-k and the shared-expert blend `sigmoid(shared_gate) * shared_out`.
 
 Triton providers (DESIGN 4):
-- `moe_route_softmax`: one program per row; softmax over E in fp32 and k rounds of (max, lowest index of
-  the max) over the logits, NaN above every number (`argmax`'s `first_max`), so ties go to the lower
-  expert id and NaN logits come first exactly as in the reference's stable descending sort.
+- `moe_route_softmax`: one program per row; softmax over E in fp32, and k rounds of one max over the logits
+  packed with their ids into int64 keys ordered as the reference's stable descending sort (NaN above every
+  number, -0.0 equal to +0.0, of equal logits the lower id first).
 - `fused_moe`, `fused_moe_nvfp4`: the rows in groups of BM (16 or 32; a `tl.dot` needs 16). A group's
   candidates are its (row, slot) pairs, or all expert ids when E is smaller; a program owns a candidate
   expert when a row of the group chose it and (by pairs) no earlier pair did, so each selected expert is
@@ -63,7 +63,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mtpfactory.errors import InputError
-from mtpfactory.kernels.argmax import first_max
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.kernels.linear import dot_acc, has_pdl, lowp_dot, x_exponent, x_scan_block
 from mtpfactory.kernels.linear_nvfp4 import (decoded_tile, gemv_nvfp4_step, nvfp4_f16_block_sums, nvfp4_words,
@@ -442,17 +441,26 @@ def _moe_route_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_lm,
     valid = offs < E
     logit = tl.load(logits_ptr + row * stride_lm + offs, mask=valid, other=0.0).to(tl.float32)
     logit = tl.where(valid, logit, float("-inf"))                                          # [BE]
-    p = tl.where(valid, tl.exp(logit - tl.max(logit, axis=0)), 0.0)
-    probs = p / tl.sum(p, axis=0)
+    gmax = tl.max(logit, axis=0)
+    denom = tl.sum(tl.where(valid, tl.exp(logit - gmax), 0.0), axis=0)
+    # Each logit as one int64 whose order is the reference's stable descending sort: the high word an int32 in
+    # the order of the floats (-0.0 taken as +0.0, every NaN above +inf), the low word BE - 1 - id (of equal
+    # logits the lower id is larger). One max a round then finds the next expert; taken and padding lanes
+    # hold the int64 minimum.
+    bits = tl.where(logit == 0.0, 0, logit.to(tl.int32, bitcast=True))                     # -0.0 as +0.0
+    key = tl.where(logit != logit, 0x7FFFFFFF, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF))
+    packed = tl.where(valid, (key.to(tl.int64) << 32) | (BE - 1 - offs).to(tl.int64), -(2**63))
     ks = tl.arange(0, KP)
     w = tl.zeros((KP,), tl.float32)
     ids = tl.zeros((KP,), tl.int64)
-    taken = offs >= E
     for j in tl.static_range(TOP_K):
-        _, best = first_max(logit, offs, ~taken, BE)       # the first NaN, else the lowest id of the max
-        w = tl.where(ks == j, tl.sum(tl.where(offs == best, probs, 0.0), axis=0), w)
-        ids = tl.where(ks == j, best.to(tl.int64), ids)
-        taken = taken | (offs == best)
+        top = tl.max(packed, axis=0)
+        best = BE - 1 - (top & 0xFFFFFFFF)
+        k32 = (top >> 32).to(tl.int32)
+        value = tl.where(k32 >= 0, k32, k32 ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)     # NaN from 0x7FFFFFFF
+        w = tl.where(ks == j, tl.exp(value - gmax) / denom, w)       # the softmax's probability of `best`
+        ids = tl.where(ks == j, best, ids)
+        packed = tl.where(offs == best, -(2**63), packed)
     if RENORM:
         w = w / tl.sum(w, axis=0)
     tl.store(weights_ptr + row * TOP_K + ks, w, mask=ks < TOP_K)

@@ -244,6 +244,15 @@ def test_route_triton_nonfinite_logits(k, renormalize, dtype):
     check_route_nonfinite(k, renormalize, dtype, "cpu")
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+def test_route_triton_signed_zeros_tie(dtype):
+    """-0.0 equals +0.0, so of the two the lower id comes first, as in the reference's stable sort (the kernel
+    ranks a logit by its float bits, -0.0's below +0.0's until it adds 0.0)."""
+    logits = torch.tensor([[-0.0, 0.0, -0.0, -1.0, 0.0], [0.0, -0.0, 1.0, -0.0, -2.0]]).to(dtype)
+    _, ids = check_route_triton(logits, 4, False)
+    assert ids.tolist() == [[0, 1, 2, 4], [2, 0, 1, 3]]
+
+
 @pytest.mark.parametrize("backend", ["triton", "native"])
 def test_route_refuses_out_that_does_not_fit(backend):
     """ids in int32, or weights as a column slice: refused by name, nothing written."""
