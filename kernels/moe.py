@@ -622,14 +622,20 @@ def _moe_gate_up_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, H, I, E
             uw, us = nvfp4_words(u_rows, us_rows, i_ok, 0, H, BH)
             e_x = x_exponent(x_row, 0, H, 1, XBLOCK)
             x_scale = pow2(e_x)
-            for k0 in range(0, H, BH):
-                # the next step's words in flight during this one's sums (past H: masked, nothing read)
-                gw_next, gs_next = nvfp4_words(g_rows, gs_rows, i_ok, k0 + BH, H, BH)
-                uw_next, us_next = nvfp4_words(u_rows, us_rows, i_ok, k0 + BH, H, BH)
+            # Two K steps an iteration, each step's words loaded one step ahead into the other step's registers:
+            # with one step an iteration, the copy of the next step's words into this one's waited for their
+            # load (the thirtieth run's profile); past H the loads are masked and the sums add zeros.
+            for k0 in range(0, H, 2 * BH):
+                gw1, gs1 = nvfp4_words(g_rows, gs_rows, i_ok, k0 + BH, H, BH)
+                uw1, us1 = nvfp4_words(u_rows, us_rows, i_ok, k0 + BH, H, BH)
                 p = x_f16_pairs_step(x_row, k0, H, x_scale, BH, EVEN_K, USE_ASM)
                 acc_g = nvfp4_f16_block_sums(acc_g, gw, gs, p, BI, BH // 16, USE_ASM)
                 acc_u = nvfp4_f16_block_sums(acc_u, uw, us, p, BI, BH // 16, USE_ASM)
-                gw, gs, uw, us = gw_next, gs_next, uw_next, us_next
+                gw, gs = nvfp4_words(g_rows, gs_rows, i_ok, k0 + 2 * BH, H, BH)
+                uw, us = nvfp4_words(u_rows, us_rows, i_ok, k0 + 2 * BH, H, BH)
+                p = x_f16_pairs_step(x_row, k0 + BH, H, x_scale, BH, EVEN_K, USE_ASM)
+                acc_g = nvfp4_f16_block_sums(acc_g, gw1, gs1, p, BI, BH // 16, USE_ASM)
+                acc_u = nvfp4_f16_block_sums(acc_u, uw1, us1, p, BI, BH // 16, USE_ASM)
             gate = times_pow2(tl.sum(acc_g, axis=1), 6 - e_x) * tl.load(g_ptr + e64 * 2)          # [BI]
             up = times_pow2(tl.sum(acc_u, axis=1), 6 - e_x) * tl.load(g_ptr + e64 * 2 + 1)
         else:
@@ -676,11 +682,13 @@ def _moe_down_gemv_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, part_ptr,
         if F16:
             e_h = x_exponent(h_row, 0, I, 1, XBLOCK)
             h_scale = pow2(e_h)
-            for k0 in range(0, I, BI):
-                dw_next, ds_next = nvfp4_words(d_rows, ds_rows, o_ok, k0 + BI, I, BI)   # as gate_up's
+            for k0 in range(0, I, 2 * BI):                  # two K steps an iteration, as gate_up's
+                dw1, ds1 = nvfp4_words(d_rows, ds_rows, o_ok, k0 + BI, I, BI)
                 p = x_f16_pairs_step(h_row, k0, I, h_scale, BI, EVEN_K, USE_ASM)
                 acc = nvfp4_f16_block_sums(acc, dw, ds, p, BHO, BI // 16, USE_ASM)
-                dw, ds = dw_next, ds_next
+                dw, ds = nvfp4_words(d_rows, ds_rows, o_ok, k0 + 2 * BI, I, BI)
+                p = x_f16_pairs_step(h_row, k0 + BI, I, h_scale, BI, EVEN_K, USE_ASM)
+                acc = nvfp4_f16_block_sums(acc, dw1, ds1, p, BHO, BI // 16, USE_ASM)
             y = times_pow2(tl.sum(acc, axis=1), 6 - e_h) * tl.load(g_ptr + e64)
         else:
             for k0 in range(0, I, BI):
@@ -880,13 +888,13 @@ def _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shar
     (bi, bk), (bho, bk_down) = _gemv_tiles(n * top_k, hidden, inter, _sm_count(x.device) if x.is_cuda else 1)
     _moe_gate_up_gemv_kernel[(n * top_k, cdiv(inter, bi))](
         x, ids, w_gu, s_gu, g_gu, h, hidden, inter, w_gu.shape[0], x.stride(0), w_gu.stride(0), w_gu.stride(1),
-        s_gu.stride(0), s_gu.stride(1), BI=bi, BH=bk, EVEN_K=hidden % bk == 0, XBLOCK=x_scan_block(hidden),
-        num_warps=4, **consts)
+        s_gu.stride(0), s_gu.stride(1), BI=bi, BH=bk, EVEN_K=hidden % (2 * bk) == 0,      # two steps an iteration
+        XBLOCK=x_scan_block(hidden), num_warps=4, **consts)
     part = torch.empty(top_k, n, hidden, dtype=torch.float32, device=x.device)
     _moe_down_gemv_kernel[(n * top_k, cdiv(hidden, bho))](
         h, ids, tw, w_dn, s_dn, g_dn, part, n, hidden, inter, w_dn.shape[0], w_dn.stride(0), w_dn.stride(1),
-        s_dn.stride(0), s_dn.stride(1), BHO=bho, BI=bk_down, EVEN_K=inter % bk_down == 0, XBLOCK=x_scan_block(inter),
-        num_warps=4, launch_pdl=pdl, **consts)
+        s_dn.stride(0), s_dn.stride(1), BHO=bho, BI=bk_down, EVEN_K=inter % (2 * bk_down) == 0,
+        XBLOCK=x_scan_block(inter), num_warps=4, launch_pdl=pdl, **consts)
     _moe_blend_kernel[(n, cdiv(hidden, 128))](
         part, so, sg, out, n, hidden, top_k, part.stride(0), so.stride(0), sg.stride(0), out.stride(0), BM=1, BHO=128,
         HAS_SHARED=has_shared, ACT=consts["ACT"], INTERP=consts["INTERP"], PDL=pdl, launch_pdl=pdl)

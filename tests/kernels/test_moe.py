@@ -512,12 +512,13 @@ def test_fused_moe_triton_fp16_and_strided_rows():
     assert torch.equal(wide_out[:, :h], got) and bool(wide_out[:, h:].isnan().all())
 
 
-@pytest.mark.parametrize("h,i", [(512, 32), (32, 512)], ids=["H512", "I512"])
+@pytest.mark.parametrize("h,i", [(512, 32), (32, 512), (768, 32)], ids=["H512", "I512", "H768"])
 @pytest.mark.parametrize("dtype,powers", [(torch.bfloat16, (-20, 0, 20)), (torch.float16, (-3, 0, 3))],
                          ids=["bf16", "fp16"])
 def test_fused_moe_nvfp4_gemvs_16bit_x_over_whole_k_steps(dtype, powers, h, i):
     """The GEMVs' 16-bit path (x and h times 2^e, each block summed in fp16 pairs) over whole K steps of 256 (H 512
-    and I 512: two steps of gate_up and of down, the second's words loaded during the first's sums) and rows
+    and I 512: two steps of gate_up and of down, one iteration of their loop, the second step's words loaded during
+    the first's sums; H 768: three, the loop's second iteration half past H, its x masked) and rows
     of x far apart in magnitude (times 2^powers: each row's own e keeps its sums in fp16's range; fp16 rows far
     smaller would leave the reference's outputs subnormal). Measured against the reference row by row (3 rows, 9
     experts, top-2, H 512 and I 256, seeds 11 and 12): 9e-4 to 1.4e-3 in fp16, 5e-3 to 1e-2 in bf16 (its rounding
