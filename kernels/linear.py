@@ -533,7 +533,7 @@ def tma_refusal(x: torch.Tensor, weight: torch.Tensor, scaled: bool) -> str | No
         return f"M = {m}: it takes 2 to {MAX_M} rows"
     if x.shape[1] == 0:
         return "K = 0: a TMA descriptor takes no empty dimension"
-    if x.is_cuda and not has_pdl(x.device):                        # TMA came with PDL, in sm_90
+    if x.is_cuda and not has_pdl(x.device):                         # TMA came with PDL, in sm_90
         return f"x on {x.device}, capability {torch.cuda.get_device_capability(x.device)}: it needs TMA (sm_90 on)"
     return tma_layout_refusal("x", x) or tma_layout_refusal("weight", weight)
 
