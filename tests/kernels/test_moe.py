@@ -247,7 +247,7 @@ def test_route_triton_nonfinite_logits(k, renormalize, dtype):
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
 def test_route_triton_signed_zeros_tie(dtype):
     """-0.0 equals +0.0, so of the two the lower id comes first, as in the reference's stable sort (the kernel
-    ranks a logit by its float bits, -0.0's below +0.0's until it adds 0.0)."""
+    ranks a logit by its float bits, and -0.0's would rank below +0.0's: it takes every zero as +0.0's bits)."""
     logits = torch.tensor([[-0.0, 0.0, -0.0, -1.0, 0.0], [0.0, -0.0, 1.0, -0.0, -2.0]]).to(dtype)
     _, ids = check_route_triton(logits, 4, False)
     assert ids.tolist() == [[0, 1, 2, 4], [2, 0, 1, 3]]
