@@ -42,47 +42,59 @@ argmax = Op("argmax", _argmax_native, _contract)
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------
-# Two stages: each (row, chunk of V) program reduces its chunk to (max, index) partials; one program per row
-# then reduces the partials. A row that fits one chunk skips the second stage.
+# Two stages: each (row, chunk of V) program reduces its chunk to its top `ordered_keys` key; one program per row
+# then reduces those. A row that fits one chunk skips the second stage.
 
 @triton.jit
-def first_max(x, idx, mask, V):
-    """(max, index of its first occurrence) of x's `mask` lanes, where NaN beats every number (the first NaN
-    wins), as torch.argmax has it. Three plain reductions rather than one over (value, index) pairs: the
-    same on the GPU, and fast under the interpreter, whose custom-combine reduce runs in Python."""
-    isnan = (x != x) & mask
-    nan_idx = tl.min(tl.where(isnan, idx, V), axis=0)
-    m = tl.max(tl.where(mask & ~isnan, x, float("-inf")), axis=0)
-    max_idx = tl.min(tl.where(mask & (x == m), idx, V), axis=0)
-    has_nan = nan_idx < V
-    return tl.where(has_nan, float("nan"), m), tl.where(has_nan, nan_idx, max_idx)
+def ordered_keys(x, idx):
+    """int64 keys of x (fp32) at indices idx (int32, 0 <= idx < 2^31) ordered as torch.argmax and a stable
+    descending sort order them: the high word an int32 in the order of the floats (every NaN above +inf, -0.0
+    taken as +0.0), the low word 2^31 - 1 - idx (of equal values the lower index is larger). One max over the
+    keys then gives both the maximum and its first index (`key_index`, `key_value`): where comparing values,
+    then indices, and finding NaN took three reductions."""
+    bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))
+    key = tl.where(x != x, 0x7FFFFFFF, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF))
+    return (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
 
 
 @triton.jit
-def _argmax_chunk_kernel(logits_ptr, stride_b, V, part_val_ptr, part_idx_ptr, out_ptr, stride_o, n_chunks,
-                         CHUNK: tl.constexpr, SINGLE: tl.constexpr):
+def key_index(key):
+    """The index an `ordered_keys` key holds (int64)."""
+    return 0x7FFFFFFF - (key & 0xFFFFFFFF)
+
+
+@triton.jit
+def key_value(key):
+    """The value an `ordered_keys` key holds (fp32; NaN for a NaN, +0.0 for either zero)."""
+    k32 = (key >> 32).to(tl.int32)
+    return tl.where(k32 >= 0, k32, k32 ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+# The key of no element: below every `ordered_keys` key
+NO_KEY = tl.constexpr(-(2**63))
+
+
+@triton.jit
+def _argmax_chunk_kernel(logits_ptr, stride_b, V, part_ptr, out_ptr, stride_o, n_chunks, CHUNK: tl.constexpr,
+                         SINGLE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     idx = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK] int32 (V <= 2**30)
     mask = idx < V
     x = tl.load(logits_ptr + b * stride_b + idx, mask=mask, other=float("-inf")).to(tl.float32)
-    val, i = first_max(x, idx, mask, V)
+    top = tl.max(tl.where(mask, ordered_keys(x, idx), NO_KEY), axis=0)
     if SINGLE:
-        tl.store(out_ptr + b * stride_o, i.to(tl.int64))
+        tl.store(out_ptr + b * stride_o, key_index(top))
     else:
-        tl.store(part_val_ptr + b * n_chunks + chunk, val)
-        tl.store(part_idx_ptr + b * n_chunks + chunk, i)
+        tl.store(part_ptr + b * n_chunks + chunk, top)
 
 
 @triton.jit
-def _argmax_partials_kernel(part_val_ptr, part_idx_ptr, out_ptr, stride_o, n_chunks, V, BLOCK: tl.constexpr):
+def _argmax_partials_kernel(part_ptr, out_ptr, stride_o, n_chunks, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
-    mask = c < n_chunks
-    val = tl.load(part_val_ptr + b * n_chunks + c, mask=mask, other=float("-inf"))
-    idx = tl.load(part_idx_ptr + b * n_chunks + c, mask=mask, other=V)
-    _, i = first_max(val, idx, mask, V)
-    tl.store(out_ptr + b * stride_o, i.to(tl.int64))
+    top = tl.max(tl.load(part_ptr + b * n_chunks + c, mask=c < n_chunks, other=NO_KEY), axis=0)
+    tl.store(out_ptr + b * stride_o, key_index(top))
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -148,15 +160,12 @@ def argmax_launch(logits: torch.Tensor, out: torch.Tensor | None = None, chunk: 
     chunk = _chunk_for(V, chunk)
     n_chunks = cdiv(V, chunk)
     if n_chunks == 1:
-        _argmax_chunk_kernel[(B, 1)](logits, logits.stride(0), V, y, y, y, y.stride(0), 1, CHUNK=chunk,
-                                     SINGLE=True)
+        _argmax_chunk_kernel[(B, 1)](logits, logits.stride(0), V, y, y, y.stride(0), 1, CHUNK=chunk, SINGLE=True)
         return y
-    part_val = torch.empty(B, n_chunks, dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty(B, n_chunks, dtype=torch.int32, device=logits.device)
-    _argmax_chunk_kernel[(B, n_chunks)](logits, logits.stride(0), V, part_val, part_idx, y, y.stride(0),
-                                        n_chunks, CHUNK=chunk, SINGLE=False)
-    _argmax_partials_kernel[(B,)](part_val, part_idx, y, y.stride(0), n_chunks, V,
-                                  BLOCK=next_power_of_2(n_chunks))
+    part = torch.empty(B, n_chunks, dtype=torch.int64, device=logits.device)     # each chunk's top key
+    _argmax_chunk_kernel[(B, n_chunks)](logits, logits.stride(0), V, part, y, y.stride(0), n_chunks, CHUNK=chunk,
+                                        SINGLE=False)
+    _argmax_partials_kernel[(B,)](part, y, y.stride(0), n_chunks, BLOCK=next_power_of_2(n_chunks))
     return y
 
 

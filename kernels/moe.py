@@ -4,8 +4,8 @@ top-k and the shared-expert blend `sigmoid(shared_gate) * shared_out`.
 
 Triton providers (DESIGN 4):
 - `moe_route_softmax`: one program per row; softmax over E in fp32, and k rounds of one max over the logits
-  packed with their ids into int64 keys ordered as the reference's stable descending sort (NaN above every
-  number, -0.0 equal to +0.0, of equal logits the lower id first).
+  packed with their ids into int64 keys ordered as the reference's stable descending sort (`argmax`'s
+  `ordered_keys`: NaN above every number, -0.0 equal to +0.0, of equal logits the lower id first).
 - `fused_moe`, `fused_moe_nvfp4`: the rows in groups of BM (16 or 32; a `tl.dot` needs 16). A group's
   candidates are its (row, slot) pairs, or all expert ids when E is smaller; a program owns a candidate
   expert when a row of the group chose it and (by pairs) no earlier pair did, so each selected expert is
@@ -63,6 +63,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mtpfactory.errors import InputError
+from mtpfactory.kernels.argmax import NO_KEY, key_index, key_value, ordered_keys
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
 from mtpfactory.kernels.linear import dot_acc, has_pdl, lowp_dot, x_exponent, x_scan_block
 from mtpfactory.kernels.linear_nvfp4 import (decoded_tile, gemv_nvfp4_step, nvfp4_f16_block_sums, nvfp4_words,
@@ -443,24 +444,18 @@ def _moe_route_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_lm,
     logit = tl.where(valid, logit, float("-inf"))                                          # [BE]
     gmax = tl.max(logit, axis=0)
     denom = tl.sum(tl.where(valid, tl.exp(logit - gmax), 0.0), axis=0)
-    # Each logit as one int64 whose order is the reference's stable descending sort: the high word an int32 in
-    # the order of the floats (-0.0 taken as +0.0, every NaN above +inf), the low word BE - 1 - id (of equal
-    # logits the lower id is larger). One max a round then finds the next expert; taken and padding lanes
-    # hold the int64 minimum.
-    bits = tl.where(logit == 0.0, 0, logit.to(tl.int32, bitcast=True))                     # -0.0 as +0.0
-    key = tl.where(logit != logit, 0x7FFFFFFF, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF))
-    packed = tl.where(valid, (key.to(tl.int64) << 32) | (BE - 1 - offs).to(tl.int64), -(2**63))
+    # One max a round over the logits' keys (`ordered_keys`: the reference's stable descending sort) finds the
+    # next expert; taken and padding lanes hold NO_KEY.
+    keys = tl.where(valid, ordered_keys(logit, offs), NO_KEY)
     ks = tl.arange(0, KP)
     w = tl.zeros((KP,), tl.float32)
     ids = tl.zeros((KP,), tl.int64)
     for j in tl.static_range(TOP_K):
-        top = tl.max(packed, axis=0)
-        best = BE - 1 - (top & 0xFFFFFFFF)
-        k32 = (top >> 32).to(tl.int32)
-        value = tl.where(k32 >= 0, k32, k32 ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)     # NaN from 0x7FFFFFFF
-        w = tl.where(ks == j, tl.exp(value - gmax) / denom, w)       # the softmax's probability of `best`
+        top = tl.max(keys, axis=0)
+        best = key_index(top)
+        w = tl.where(ks == j, tl.exp(key_value(top) - gmax) / denom, w)     # the softmax's probability of `best`
         ids = tl.where(ks == j, best, ids)
-        packed = tl.where(offs == best, -(2**63), packed)
+        keys = tl.where(offs == best, NO_KEY, keys)
     if RENORM:
         w = w / tl.sum(w, axis=0)
     tl.store(weights_ptr + row * TOP_K + ks, w, mask=ks < TOP_K)

@@ -65,13 +65,14 @@ def test_many_chunks_ties_across_chunks(chunk):
 
 @pytest.mark.parametrize("chunk", [16, 2048])
 def test_nan_and_signed_zero(chunk):
-    x = torch.full((4, 100), -1.0)
+    x = torch.full((5, 100), -1.0)
     x[0, 70], x[0, 30], x[0, 50] = float("nan"), float("nan"), float("inf")  # the first NaN: 30
     x[1, 99] = float("nan")
     x[2, 10], x[2, 5] = 0.0, -0.0  # -0 == +0: the lower index
     x[3, 0] = float("nan")
+    x[4, 2], x[4, 80] = float("inf"), float("nan")  # a NaN after +inf still wins
     want = argmax.reference(x)
-    assert want.tolist() == [30, 99, 5, 0]
+    assert want.tolist() == [30, 99, 5, 0, 80]
     assert torch.equal(run(x, chunk=chunk), want)
 
 
