@@ -500,8 +500,7 @@ def _gemv_x_step(x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.conste
 
 @triton.jit
 def _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
-                   X_CONTIG: tl.constexpr = False):
+                   EVEN_K: tl.constexpr, X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr, X_CONTIG: tl.constexpr):
     """The K step from element kk: its words and scale bytes, and its x pairs."""
     wv, sb = _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K, EVEN_K)
     a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K,
@@ -634,7 +633,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
                            stride_xk, stride_wn, stride_sn, stride_on,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            AHEAD: tl.constexpr, X_PAIRS: tl.constexpr, XBLOCK: tl.constexpr, SPLIT: tl.constexpr,
-                           USE_ASM: tl.constexpr, PDL: tl.constexpr, X_CONTIG: tl.constexpr = False):
+                           USE_ASM: tl.constexpr, PDL: tl.constexpr, X_CONTIG: tl.constexpr):
     """M = 1 with 16-bit x: out[n] = sum_k x[k] * w[n, k]. x is first scaled by a power of two 2^e that
     puts its largest magnitude in this program's K slice in [2^11, 2^12) (exact; X_PAIRS: `_x_f16_pairs_kernel`
     did that once for every program and left e and the fp16 pairs at exp_ptr and pairs_ptr), then each

@@ -696,7 +696,7 @@ def _moe_down_gemv_kernel(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, part_ptr,
 @triton.jit
 def _moe_blend_kernel(part_ptr, so_ptr, sg_ptr, out_ptr, N, H, SPLIT, stride_ps, stride_som, stride_sgm, stride_om,
                       BM: tl.constexpr, BHO: tl.constexpr, HAS_SHARED: tl.constexpr, ACT: tl.constexpr,
-                      INTERP: tl.constexpr, PDL: tl.constexpr = False):
+                      INTERP: tl.constexpr, PDL: tl.constexpr):
     """out = sum over the splits of part[s] (in split order: deterministic) + the shared blend. PDL: launched
     while the down kernel runs (`moe_pdl`), it waits for it to end."""
     if PDL:

@@ -96,7 +96,7 @@ def kernel(name: str, bm: int, bn: int, bk: int, swap: bool, stages: int, x_pass
                          PDL=True))
         return (linear_nvfp4._gemv_nvfp4_f16_kernel, types,             # what M = 1 with bf16 x runs
                 dict(BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, AHEAD=stages > 1, X_PAIRS=x_pass, XBLOCK=2048,
-                     SPLIT=False, USE_ASM=True, PDL=x_pass))
+                     SPLIT=False, USE_ASM=True, PDL=x_pass, X_CONTIG=True))           # x contiguous, as the heads'
     types = {"x_ptr": "*fp16" if x_pass else "*bf16", "exp_ptr": "*i32",
              "w_ptr": "*bf16" if fmt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16",
              "part_ptr": "*fp32"}
