@@ -7,6 +7,8 @@
 # them: 483 took over 280 s on 2026-12-04); BENCH_ARGS passes options to scripts/bench_kernels.py (BENCH_S, 420 s);
 # TUNE_ARGS, when set, runs scripts/tune_gemv.py with them first (TUNE_S, 420 s); OPS_ARGS, when set, runs
 # scripts/bench_ops.py with them after the kernel benchmark (OPS_S, 240 s; OPS_ARGS=--rounds=3 times every op);
+# HEAD_ARGS, when set, runs scripts/bench_head.py with them next (HEAD_S, 300 s; HEAD_ARGS=--rounds=3 times each
+# head's decode step at every batch);
 # SWEEP_ARGS, when set, runs scripts/sweep_wgmma.py with them after those (SWEEP_S, 300 s); ATTN_ARGS, when set,
 # runs scripts/sweep_attention.py with them next (ATTN_S, 240 s; ATTN_ARGS=--rounds=3 sweeps its defaults);
 # CLOCK_ARGS, when set, runs scripts/clock_watch.py with them last (CLOCK_S, 240 s; its nvidia-smi log goes to
@@ -40,6 +42,7 @@ limits=0   # the enabled stages' limits together
 [[ -n "${TUNE_ARGS:-}" ]] && limits=$((limits + ${TUNE_S:-420}))
 [[ "${BENCH:-1}" == 1 ]] && limits=$((limits + ${BENCH_S:-420}))
 [[ -n "${OPS_ARGS:-}" ]] && limits=$((limits + ${OPS_S:-240}))
+[[ -n "${HEAD_ARGS:-}" ]] && limits=$((limits + ${HEAD_S:-300}))
 [[ -n "${SWEEP_ARGS:-}" ]] && limits=$((limits + ${SWEEP_S:-300}))
 [[ -n "${ATTN_ARGS:-}" ]] && limits=$((limits + ${ATTN_S:-240}))
 [[ -n "${CLOCK_ARGS:-}" ]] && limits=$((limits + ${CLOCK_S:-240}))
@@ -95,6 +98,9 @@ if [[ "${BENCH:-1}" == 1 ]]; then
 fi
 if [[ -n "${OPS_ARGS:-}" ]]; then
   stage bench_ops "${OPS_S:-240}" "$OUT/ops.log" python3 -P scripts/bench_ops.py --json "$OUT/ops.json" --clocks "$OUT/ops_clocks.csv" $OPS_ARGS
+fi
+if [[ -n "${HEAD_ARGS:-}" ]]; then
+  stage bench_head "${HEAD_S:-300}" "$OUT/head.log" python3 -P scripts/bench_head.py --json "$OUT/head.json" $HEAD_ARGS
 fi
 if [[ -n "${SWEEP_ARGS:-}" ]]; then
   stage sweep_wgmma "${SWEEP_S:-300}" "$OUT/sweep.log" python3 -P scripts/sweep_wgmma.py $SWEEP_ARGS

@@ -5,6 +5,7 @@ only the GPU showed it. Speed is not measured here."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import torch
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
+import bench_head  # noqa: E402
 import bench_ops  # noqa: E402
 import compile_sm90  # noqa: E402
 import gpu_clocks  # noqa: E402
@@ -196,3 +198,58 @@ def test_bench_ops_short_kernel_name_drops_templates_and_parameters():
     assert bench_ops.short_kernel_name(copy) == "at::native::elementwise_kernel"
     assert bench_ops.short_kernel_name("_moe_blend_kernel") == "_moe_blend_kernel"
     assert bench_ops.short_kernel_name("void gemv2T_kernel_val(int, float)") == "gemv2T_kernel_val"
+
+
+@pytest.fixture
+def tiny_heads(monkeypatch):
+    """bench_head on the CPU at the tiny presets, every head it builds kept in the list returned. Both paths run
+    the references here: the script's bookkeeping is what these tests check (the Triton path's steps under the
+    interpreter take 2-50 s each, its one-row GEMVs' many programs; the heads' own tests check that path)."""
+    monkeypatch.setattr(bench_head, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_head, "CASES", {"dense": ("dense", "qwen3_5_dense_tiny", ("quant=nvfp4",)),
+                                              "moe": ("bf16_moe", "qwen3_next_tiny", ("kv=fp8",
+                                                                                      "levers.kv_exact=true"))})
+    built, build = [], bench_head.build
+
+    def native_build(case, backend, *args):
+        built.append(build(case, "native", *args))
+        return built[-1]
+    monkeypatch.setattr(bench_head, "build", native_build)
+    return built
+
+
+@pytest.mark.parametrize("case", ["dense", "moe"])
+def test_bench_head_steps_every_batch_and_leaves_the_sequences_as_prefilled(tiny_heads, case):
+    """Each batch's eager step on both paths (the graph needs a GPU), a row each with its floor; the routed experts
+    counted from the steps (top-2 of one row: 2). A timing's steps advance the sequences, and each is truncated
+    back to the context after it: the next timing starts from the same cache."""
+    args = argparse.Namespace(context=37, steps=2, native_steps=1, rounds=2, native=True)
+    rows = bench_head.run_case(case, [1, 2], args, bw=1e12, gen=torch.Generator().manual_seed(0))
+    assert [(r["batch"], r["provider"]) for r in rows] == [(1, "triton eager"), (1, "native eager"),
+                                                           (2, "triton eager"), (2, "native eager")]
+    assert all(r["us"] > 0 and r["floor_us"] > 0 and r["peer_us"] > 0 for r in rows)
+    assert [len(r["us_rounds"]) for r in rows] == [2, 1, 2, 1]      # the peer in the first round only
+    if case == "moe":
+        assert rows[0]["experts"] == 2 and 2 <= rows[2]["experts"] <= 4
+    assert len(tiny_heads) == 2
+    for head in tiny_heads:
+        assert {s: (st.start, st.end) for s, st in head.cache.seqs.items()} == {0: (0, 37), 1: (0, 37)}
+
+
+@pytest.mark.parametrize("case", ["dense", "moe"])
+def test_bench_head_floor_counts_each_weight_once_the_embedding_rows_the_picked_experts_and_the_kv(tiny_heads,
+                                                                                                   case):
+    """With every expert picked the floor is every tensor of the head once but the embedding table, plus b rows
+    of it and the KV of b sequences of context + 1 tokens (bf16; or FP8 codes with their fp32 scales)."""
+    head = bench_head.build(case, "native", 2, 37, 2)
+    tensors = {t.data_ptr(): t for t in (*head.parameters(), *head.buffers())}.values()
+    everything = sum(t.numel() * t.element_size() for t in tensors)
+    h, kv_heads, d = head.hidden_size, head.cache.spec.kv_heads, head.cache.spec.head_dim
+    per_token = 2 * kv_heads * d * (2 if case == "dense" else 1 + 4 / d)     # dense: bf16 KV; moe: fp8 + scales
+    embed = head.embed.numel() * head.embed.element_size()
+    experts = head.ffn.experts.num_experts if case == "moe" else 0
+    want = everything - embed + 3 * h * 2 + 3 * 38 * per_token
+    assert bench_head.floor_bytes(head, 3, 37, experts) == int(want)
+    if case == "moe":
+        per_expert = sum(t.numel() * t.element_size() for t in head.ffn.experts.parameters()) / experts
+        assert bench_head.floor_bytes(head, 3, 37, 2) == int(want - (experts - 2) * per_expert)
