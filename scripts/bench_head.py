@@ -144,7 +144,7 @@ def graph_step_us(head, b: int, context: int, gen: torch.Generator) -> tuple[flo
     positions = torch.tensor(plist, device=head.device)
     try:
         with head.cache.writing([WritePlan(i, p, p) for i, p in zip(ids, plist)]):
-            tables = head._step_tables(ids, plist)
+            tables = head.cache.commit_step(ids, plist)
 
         def forward():
             with ops.running(head.backend, head.device):

@@ -139,17 +139,9 @@ class DraftHead(nn.Module):
     # --- internals -----------------------------------------------------------------------------------
     def _step_checked(self, ids: list[int], tokens, hidden, positions, plist: list[int]):
         """One decode step of checked rows: `positions` on the device, `plist` the same on the host (no sync)."""
-        tables = self._step_tables(ids, plist)
+        slots, block_tables, context_lens = self.cache.commit_step(ids, plist)
         with ops.running(self.backend, self.device):
-            return self._forward(tokens, hidden, positions, *tables)
-
-    def _step_tables(self, ids: list[int], plist: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A decode step's (slots, block_tables, context_lens) on the device, inside `cache.writing`: commits each
-        row's write (sequence ids[r] at position plist[r])."""
-        slots = torch.cat([self.cache.commit(WritePlan(i, p, p)) for i, p in zip(ids, plist)])
-        context_lens = torch.tensor([p - self.cache.seqs[i].start + 1 for i, p in zip(ids, plist)],
-                                    device=self.device)  # after the commits: a cold sequence's first write sets start
-        return slots, self.cache.block_table(ids), context_lens
+            return self._forward(tokens, hidden, positions, slots, block_tables, context_lens)
 
     def _check_seq_ids(self, seq_ids) -> list[int]:
         ids = _int_rows("seq_ids", seq_ids, "pass torch.tensor([id, ...])")

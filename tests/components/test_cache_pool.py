@@ -1,9 +1,10 @@
 """Pool sizing (DESIGN 7): one function, used by the head and by kv_reserve_bytes."""
 
 import pytest
+import torch
 
 import mtpfactory
-from mtpfactory.components.cache import drafter_pool_blocks
+from mtpfactory.components.cache import PagedKVCache, PoolSpec, WritePlan, drafter_pool_blocks
 from mtpfactory.errors import UnknownNameError
 
 
@@ -53,3 +54,27 @@ def test_kv_reserve_bytes_refuses_a_component_the_build_would(field):
     cfg = mtpfactory.compose("+head=dense", f"{field}=nope")
     with pytest.raises(UnknownNameError, match=rf"^{field}='nope': unknown"):
         mtpfactory.kv_reserve_bytes(cfg)
+
+
+def test_commit_step_gives_each_rows_slot_its_blocks_and_its_context_from_one_tensor():
+    """A decode step's tables (`PagedKVCache.commit_step`): each row's slot as `slots` gives it, the block table of
+    each sequence's blocks padded with 0 to the widest, the context after the write; three views of one int32
+    tensor (one host-to-device copy a step). Sequences of mixed lengths, one started cold at a late position, and
+    one stepped back into its range (a rewrite: its blocks past the row stay until `writing` ends)."""
+    spec = PoolSpec(num_blocks=20, block_size=4, kv_heads=1, head_dim=2, dtype=torch.float32)
+    c = PagedKVCache(spec, max_seq_len=40, max_seqs=4, device=torch.device("cpu"))
+    with c.writing([WritePlan(0, 0, 9), WritePlan(1, 30, 30), WritePlan(2, 0, 13)]):
+        for w in (WritePlan(0, 0, 9), WritePlan(1, 30, 30), WritePlan(2, 0, 13)):
+            c.commit(w)
+    ids, plist = [0, 1, 2, 3], [10, 31, 5, 7]       # 3: cold at 7; 2: back to 5 from its end at 14
+    with c.writing([WritePlan(i, p, p) for i, p in zip(ids, plist)]):
+        slots, table, lens = c.commit_step(ids, plist)
+        blocks = [list(c.seqs[i].blocks) for i in ids]
+        assert len(blocks[2]) == 4                  # 0..13 in 4 blocks, kept while writing
+        want_slots = torch.cat([c.slots(i, p, p) for i, p in zip(ids, plist)])
+    assert slots.dtype == table.dtype == lens.dtype == torch.int32
+    assert slots.tolist() == want_slots.tolist()
+    assert table.tolist() == [b + [0] * (4 - len(b)) for b in blocks]
+    assert lens.tolist() == [11, 2, 6, 1]           # p - start + 1
+    assert slots.untyped_storage().data_ptr() == table.untyped_storage().data_ptr() == lens.untyped_storage().data_ptr()
+    assert c.seqs[2].end == 6 and len(c.seqs[2].blocks) == 2   # the rewrite dropped its rows past 5 on leaving
