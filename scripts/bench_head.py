@@ -21,15 +21,17 @@ start. They are every weight of the head but the embedding table and the routed 
 its B tokens, the experts the routing picked (the mean count of distinct experts over the timed eager steps,
 times one expert's bytes), and the KV cache of its B sequences (context + 1 tokens each: the new row's too).
 The rounds alternate their order (`bench_kernels.alternating`); a row gives the median of its rounds and their
-range.
+range. --kernels also lists, under each batch, the kernels of one eager forward (torch.profiler): each one's
+launches and their time together, the longest first: where the graph's time goes.
 
     python3 scripts/bench_head.py [--cases dense_bf16,moe_bf16] [--batches 1,8,32] [--context 4096] [--steps 20]
-        [--native-steps 3] [--rounds 3] [--no-native] [--json PATH]
+        [--native-steps 3] [--rounds 3] [--no-native] [--kernels] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -41,6 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import alternating, copy_bandwidth, graph_time_us  # noqa: E402
+from bench_ops import short_kernel_name  # noqa: E402
 
 import mtpfactory  # noqa: E402
 from mtpfactory import ops  # noqa: E402
@@ -135,9 +138,11 @@ def eager_step_us(head, b: int, context: int, steps: int, gen: torch.Generator) 
     return us, experts
 
 
-def graph_step_us(head, b: int, context: int, gen: torch.Generator) -> tuple[float, bool]:
-    """(one step's forward in us, whether graphed): the cache's commits for b rows at position `context` made once
-    (each replay rewrites those rows), then `_forward` under the head's backend, as `graph_time_us` times it."""
+@contextlib.contextmanager
+def committed_forward(head, b: int, context: int, gen: torch.Generator):
+    """Yields a call of one step's forward (`_forward` under the head's backend) on b random rows at position
+    `context`, the cache's commits for them made once (each call rewrites those rows); the sequences are
+    truncated back to `context` after."""
     ids, plist = list(range(b)), [context] * b
     tokens = torch.randint(0, head.vocab_size, (b,), generator=gen).to(head.device)
     hidden = torch.randn(b, head.hidden_size, generator=gen).to(head.device, head.dtype)
@@ -149,11 +154,37 @@ def graph_step_us(head, b: int, context: int, gen: torch.Generator) -> tuple[flo
         def forward():
             with ops.running(head.backend, head.device):
                 return head._forward(tokens, hidden, positions, *tables)
-        us, graphed, _ = graph_time_us([forward])
+        yield forward
     finally:
         for s in ids:
             head.truncate(s, context)
+
+
+def graph_step_us(head, b: int, context: int, gen: torch.Generator) -> tuple[float, bool]:
+    """(one step's forward in us, whether graphed), as `graph_time_us` times it."""
+    with committed_forward(head, b, context, gen) as forward:
+        us, graphed, _ = graph_time_us([forward])
     return us, graphed
+
+
+def step_kernels(head, b: int, context: int, gen: torch.Generator) -> dict[str, tuple[int, float]]:
+    """Each GPU kernel one step's forward launches: its name -> (launches, their time together in us), from
+    torch.profiler over one eager forward after a warm one, the longest first. Empty without a GPU. A
+    programmatic dependent launch's time counts its wait (`bench_ops.kernel_times`)."""
+    if not torch.cuda.is_available():
+        return {}
+    with committed_forward(head, b, context, gen) as forward:
+        forward()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            forward()
+            torch.cuda.synchronize()
+    found: dict[str, tuple[int, float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            n, us = found.get(name := short_kernel_name(ev.name), (0, 0.0))
+            found[name] = (n + 1, us + ev.device_time)
+    return dict(sorted(found.items(), key=lambda kv: -kv[1][1]))
 
 
 def run_case(case: str, batches: list[int], args, bw: float, gen: torch.Generator) -> list[dict]:
@@ -186,18 +217,23 @@ def run_case(case: str, batches: list[int], args, bw: float, gen: torch.Generato
         experts = statistics.mean(extra[(b, "triton eager")])
         floor = floor_bytes(heads["triton"], b, args.context, experts) / bw * 1e6
         peer = statistics.median(times[(b, "native eager")]) if args.native else float("nan")
+        kernels = step_kernels(heads["triton"], b, args.context, gen) if args.kernels else None
         for p in timers:
             ts = times[(b, p)]
             us = statistics.median(ts)
             row = dict(case=case, batch=b, provider=p, us=us, us_rounds=ts, floor_us=floor,
                        pct_floor=100 * floor / us, peer_us=peer, experts=experts, context=args.context)
             if p == "triton graph":
-                row["graphed"] = all(extra[(b, p)])
+                row.update(graphed=all(extra[(b, p)]), kernels=kernels)
             rows.append(row)
             note = "" if row.get("graphed", True) else "  (launch by launch: not graphed)"
             print(f"{case:36s} B={b:<3d} {p:13s} {us:10.1f} us ({min(ts):.1f}-{max(ts):.1f})  floor {floor:8.1f} us "
                   f"{row['pct_floor']:5.1f}%  native {peer:10.1f} us" + (f"  experts {experts:.1f}" if experts
                                                                         else "") + note, flush=True)
+        if kernels is not None:
+            print(f"    one forward's kernels, B={b}: {sum(n for n, _ in kernels.values())} launches, "
+                  f"{sum(us for _, us in kernels.values()):.1f} us together: "
+                  + "; ".join(f"{k} x{n} {us:.1f}" for k, (n, us) in kernels.items()), flush=True)
     heads.clear()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -213,6 +249,8 @@ def main() -> int:
     ap.add_argument("--native-steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-native", dest="native", action="store_false", help="leave the native peer out")
+    ap.add_argument("--kernels", action="store_true", help="also each kernel of one forward, its launches and time "
+                    "(torch.profiler over an eager forward)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cases = args.cases.split(",")

@@ -223,7 +223,7 @@ def test_bench_head_steps_every_batch_and_leaves_the_sequences_as_prefilled(tiny
     """Each batch's eager step on both paths (the graph needs a GPU), a row each with its floor; the routed experts
     counted from the steps (top-2 of one row: 2). A timing's steps advance the sequences, and each is truncated
     back to the context after it: the next timing starts from the same cache."""
-    args = argparse.Namespace(context=37, steps=2, native_steps=1, rounds=2, native=True)
+    args = argparse.Namespace(context=37, steps=2, native_steps=1, rounds=2, native=True, kernels=False)
     rows = bench_head.run_case(case, [1, 2], args, bw=1e12, gen=torch.Generator().manual_seed(0))
     assert [(r["batch"], r["provider"]) for r in rows] == [(1, "triton eager"), (1, "native eager"),
                                                            (2, "triton eager"), (2, "native eager")]
@@ -253,3 +253,11 @@ def test_bench_head_floor_counts_each_weight_once_the_embedding_rows_the_picked_
     if case == "moe":
         per_expert = sum(t.numel() * t.element_size() for t in head.ffn.experts.parameters()) / experts
         assert bench_head.floor_bytes(head, 3, 37, 2) == int(want - (experts - 2) * per_expert)
+
+
+def test_bench_head_kernels_is_empty_without_a_gpu(tiny_heads):
+    """--kernels profiles a GPU's kernels: on the CPU it names none, and the sequences stay as they were."""
+    head = bench_head.build("moe", "native", 2, 37, 2)
+    bench_head.prefill(head, 1, 37, torch.Generator().manual_seed(0))
+    assert bench_head.step_kernels(head, 1, 37, torch.Generator().manual_seed(0)) == {}
+    assert {s: (st.start, st.end) for s, st in head.cache.seqs.items()} == {0: (0, 37)}
