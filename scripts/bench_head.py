@@ -5,8 +5,8 @@ between them.
 For each case (a head, its model preset and overrides: the quant table's forms, as the heads' GPU tests build
 them) and each batch B, B sequences of --context tokens each (prefilled once, in chunks of 32 rows), stepped
 one row a sequence at the next position, as a decoding engine steps them:
-- `triton eager`: `head.step` under runtime.backend=triton, --steps calls between two synchronizes, one call's
-  wall time: the host's work (the input checks, the cache's commits and block table, each op's launcher) and
+- `triton eager`: `head.step` under runtime.backend=triton, --steps calls between two synchronizes (after the
+  same calls made once untimed: the kernel variants their positions need compiled), one call's wall time: the host's work (the input checks, the cache's commits and block table, each op's launcher) and
   the kernels, whichever the GPU waits on. Tokens and positions come from the host (their checks then read no
   device memory), hidden from the device;
 - `triton graph`: the same step's forward (`_forward`, after the cache's commits) captured in a CUDA graph and
@@ -108,32 +108,38 @@ def floor_bytes(head, b: int, context: int, experts: float) -> int:
 
 def eager_step_us(head, b: int, context: int, steps: int, gen: torch.Generator) -> tuple[float, float]:
     """(one `head.step` call's wall time in us, the mean count of distinct routed experts a step; 0 without
-    experts): `steps` calls of b rows at positions context, context + 1, ..., then the sequences are truncated
-    back to `context`. One call before the clock starts."""
+    experts): `steps` calls of b rows at positions context, context + 1, ..., timed after the same calls made
+    once untimed (each time the sequences are truncated back to `context`). The untimed pass compiles whatever
+    kernel variants those positions need: as a context grows, paged attention's split count and block-table
+    width change, and Triton compiles a variant for each new one (0.1-0.5 s; the thirty-first run's HF timed
+    such compiles into its one round)."""
     ids = torch.arange(b)
-    tokens = torch.randint(0, head.vocab_size, (steps + 1, b), generator=gen)
-    hidden = torch.randn(steps + 1, b, head.hidden_size, generator=gen).to(head.device, head.dtype)
+    tokens = torch.randint(0, head.vocab_size, (steps, b), generator=gen)
+    hidden = torch.randn(steps, b, head.hidden_size, generator=gen).to(head.device, head.dtype)
     picked = []
     routed = getattr(head.ffn, "experts", None)
     hook = routed.register_forward_pre_hook(lambda m, args: picked.append(args[2])) if routed is not None else None
+
+    def run() -> float:
+        try:
+            if head.device.type == "cuda":
+                torch.cuda.synchronize(head.device)
+            t0 = time.perf_counter()
+            for j in range(steps):
+                head.step(ids, tokens[j], hidden[j], torch.full((b,), context + j))
+            if head.device.type == "cuda":
+                torch.cuda.synchronize(head.device)
+            return (time.perf_counter() - t0) / steps * 1e6
+        finally:
+            for s in range(b):
+                head.truncate(s, context)
     try:
-        head.step(ids, tokens[steps], hidden[steps], torch.full((b,), context))
-        for s in range(b):
-            head.truncate(s, context)
+        run()
         picked.clear()
-        if head.device.type == "cuda":
-            torch.cuda.synchronize(head.device)
-        t0 = time.perf_counter()
-        for j in range(steps):
-            head.step(ids, tokens[j], hidden[j], torch.full((b,), context + j))
-        if head.device.type == "cuda":
-            torch.cuda.synchronize(head.device)
-        us = (time.perf_counter() - t0) / steps * 1e6
+        us = run()
     finally:
         if hook is not None:
             hook.remove()
-        for s in range(b):
-            head.truncate(s, context)
     experts = statistics.mean(step_ids.unique().numel() for step_ids in picked) if picked else 0.0
     return us, experts
 
