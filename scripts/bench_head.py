@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import statistics
 import sys
@@ -42,7 +41,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import alternating, copy_bandwidth, graph_time_us  # noqa: E402
+from bench_kernels import alternating, copy_bandwidth, graph_time_us, write_rows  # noqa: E402
 from bench_ops import short_kernel_name  # noqa: E402
 
 import mtpfactory  # noqa: E402
@@ -269,9 +268,7 @@ def main() -> int:
     rows = []
     for case in cases:
         rows += run_case(case, [int(v) for v in args.batches.split(",")], args, bw, gen)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"copy_bw": bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        write_rows(args.json, bw, rows)
     return 0
 
 

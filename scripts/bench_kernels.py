@@ -109,6 +109,14 @@ def net_us(calls: list, replay: float, warmup: int = 25, rep: int = 200) -> floa
     return (replay_us(calls + calls, warmup, rep) - replay) / len(calls)
 
 
+def write_rows(path: str | None, bw: float, rows: list[dict]) -> None:
+    """The rows so far, with the copy bandwidth and the device, as JSON at `path` (none for None): rewritten after
+    each group, so that a run cut at its time limit keeps what it timed."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"copy_bw": bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
 def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got - want| over max |want|, in fp32: a row's error against its reference."""
     got, want = got.float(), want.float()

@@ -21,7 +21,6 @@ what it logged while that row's rounds ran, as in `bench_kernels.py`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import alternating, copy_bandwidth, graph_time_us, max_rel_err, weight_bytes  # noqa: E402
+from bench_kernels import (alternating, copy_bandwidth, graph_time_us, max_rel_err, weight_bytes,  # noqa: E402
+                           write_rows)
 from gpu_clocks import clock_log, logged, summary  # noqa: E402
 
 from mtpfactory import ops  # noqa: E402
@@ -331,9 +331,7 @@ def main() -> int:
         for g in groups:
             rows += run(known[g](ms), bw, args.rounds, args.reference, clocks, args.kernels)
             torch.cuda.empty_cache()
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"copy_bw": bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            write_rows(args.json, bw, rows)
     return 0
 
 
