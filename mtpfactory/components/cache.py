@@ -177,7 +177,7 @@ class PagedKVCache:
         a sequence made 32 sequences' eager step 1.45x slower on an H100: BENCHMARKS, thirty-first run)."""
         bs = self.spec.block_size
         states = [self._commit(WritePlan(i, p, p)) for i, p in zip(seq_ids, positions)]
-        rows = [p - s.start for s, p in zip(states, positions)]        # each row's index among its sequence's
+        rows = [p - s.start for s, p in zip(states, positions)]      # each row's index in its sequence's slots
         width = max(len(s.blocks) for s in states)
         flat = [s.blocks[r // bs] * bs + r % bs for s, r in zip(states, rows)] + [r + 1 for r in rows]
         for s in states:

@@ -1,4 +1,5 @@
-"""Pool sizing (DESIGN 7): one function, used by the head and by kv_reserve_bytes."""
+"""Pool sizing (DESIGN 7): one function, used by the head and by kv_reserve_bytes; and a decode step's tables
+from the pool (`commit_step`)."""
 
 import pytest
 import torch
