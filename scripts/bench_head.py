@@ -99,8 +99,8 @@ def floor_bytes(head, b: int, context: int, experts: float) -> int:
         weights += t.numel() * t.element_size()
     per_expert = sum(t.numel() * t.element_size() for t in (*routed.parameters(), *routed.buffers())
                      ) / routed.num_experts if routed is not None else 0
-    pools = [t for t in head.cache._pools() if t is not None]
-    per_token = sum(t.numel() * t.element_size() for t in pools) / (pools[0].shape[0] * pools[0].shape[1])
+    spec = head.cache.spec
+    per_token = spec.nbytes / (spec.num_blocks * spec.block_size)         # K and V (and their scales) of a token
     embed_rows = b * head.embed.shape[1] * head.embed.element_size()
     return int(weights + embed_rows + experts * per_expert + b * (context + 1) * per_token)
 
