@@ -145,7 +145,15 @@ def _fp16_top_binade(amax):
     return ((j + 127) << 23).to(tl.float32, bitcast=True), ((127 - j) << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+# Triton compiles a kernel once for each constexpr value and for each integer argument that is 1 or a multiple of
+# 16 (unless `do_not_specialize` names it). As a sequence grows its split count grows (one more every 64 tokens at
+# one sequence) and its block table widens: with the count a constexpr and the table's row stride specialized,
+# one sequence's first 1024 tokens compiled 16 variants of this kernel on an H100 (BENCHMARKS, thirty-first run,
+# HG; 0.1-0.5 s each, in the middle of decoding). It needs of the count only whether there are several (SPLIT)
+# and the grid's size. `max_tokens` and `split_len` stay specialized: multiples of 16 at every length (a block
+# size of 16, tiles of 16 or 32), they add no variant. The reduce keeps its count a constexpr: its one chunk of
+# splits then compiles unrolled, and at run time it compiled to a loop that cost 1.3 us at one sequence (HG).
+@triton.jit(do_not_specialize=("s_btb",))
 def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gate_ptr, bt_ptr, cl_ptr, out_ptr,
         pacc_ptr, pm_ptr, pl_ptr,  # split partials: [B, kv_heads, S, G_PAD, D_PAD], [B, kv_heads, S, G_PAD] x2
@@ -153,12 +161,12 @@ def _paged_decode_kernel(
         s_qb, s_qh, s_qd, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd,
         s_ksb, s_kst, s_ksh, s_vsb, s_vst, s_vsh, s_gb, s_gh, s_gd, s_ob, s_oh, s_od, s_btb, s_btn,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_K_SCALE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_K_SCALE: tl.constexpr,
         HAS_V_SCALE: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, Q_POW2: tl.constexpr, P_POW2: tl.constexpr):
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)  # KV head
-    pid_s = tl.program_id(2)  # context split
+    pid_s = tl.program_id(2)  # context split (SPLIT: more than one, the grid's third dim)
     # Clamped to what the block table holds, and a block id outside [0, num_blocks) masks its tokens: the
     # reference refuses both (a sync); here they read nothing out of bounds. Clamped in int64 (an int64 length
     # may not fit int32), then counted in int32 (tables of at most 2^30 tokens): a tile's positions, blocks and
@@ -226,12 +234,12 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         _store_out(acc, l_i, out_ptr, gate_ptr, pid_b, q_heads, d, g_mask, d_mask,
                    s_ob, s_oh, s_od, s_gb, s_gh, s_gd, HAS_GATE)
     else:
         # the split's partial row: its q heads and dims only (the padded lanes, which no one reads, stay unwritten)
-        row = (pid_b * tl.num_programs(1) + pid_h) * NUM_SPLITS + pid_s
+        row = (pid_b * tl.num_programs(1) + pid_h) * tl.num_programs(2) + pid_s
         tl.store(pacc_ptr + row * G_PAD * D_PAD + g[:, None] * D_PAD + d[None, :], acc,
                  mask=g_mask[:, None] & d_mask[None, :])
         tl.store(pm_ptr + row * G_PAD + g, m_i, mask=g_mask)
@@ -585,6 +593,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                          num_warps=num_warps, fast_dot=fast_dot, num_stages=num_stages)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """The GPU's SMs, which the default splits weigh; 0 off a GPU (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
 def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
@@ -605,7 +619,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     fast_dot = fp8 if fast_dot is None else fast_dot  # an FP8 cache's fp16 dots keep tf32's numerics (_dot_dtype)
     block_n = _default_block_n(k_cache, d_pad) if block_n is None else block_n
     max_tokens = max(1, block_tables.shape[1] * bs)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
+    sms = _sm_count(q.device)
     exact = torch.float32 in (q.dtype, k_cache.dtype)
     dot_dtype = _dot_dtype(q, k_cache, fast_dot)
     splits, num_stages = _default_tuning(sms, b * hkv, max_tokens, block_n, fp8, num_splits, num_stages,
@@ -630,7 +644,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         scale * _LOG2E, k_cache.shape[0], block_tables.shape[1] * bs, split_len,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *ks_st, *vs_st, *gt.stride(), *out.stride(),
         *block_tables.stride(),
-        BLOCK_SIZE=bs, BLOCK_N=block_n, NUM_SPLITS=splits, HAS_K_SCALE=k_scale is not None,
+        BLOCK_SIZE=bs, BLOCK_N=block_n, SPLIT=splits > 1, HAS_K_SCALE=k_scale is not None,
         HAS_V_SCALE=v_scale is not None, DOT_DTYPE=dot_dtype,
         Q_POW2=dot_dtype == tl.float16 and q.dtype == torch.bfloat16,
         P_POW2=dot_dtype == tl.float16 and v_scale is not None,

@@ -15,6 +15,8 @@ take their output dtype's tolerance.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
 
 import os
@@ -892,3 +894,37 @@ def test_gpu_in_place_on_q_or_the_gate(kv, into, num_splits):
     with ops.use_backend("triton"):
         assert paged_decode_attention_triton(*args, out=out, num_splits=num_splits) is out
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("b", [1, 32])
+def test_a_growing_sequence_compiles_few_variants_of_the_attention_kernel(monkeypatch, kv, b):
+    """Triton compiles a kernel once for each constexpr value and launch option, and for each integer argument that
+    is 1 or a multiple of 16 (unless `do_not_specialize` names it). With the split count a constexpr, Qwen3-Next's
+    attention kernel took 75 variants over one sequence's first 4096 tokens at an H100's 132 SMs (16 over 1024,
+    measured: BENCHMARKS, thirty-first run), each a compile of 0.1-0.5 s in the middle of decoding. The keys of its
+    launches over those contexts, as Triton forms them (the launches stubbed): at most 3, one split or several and
+    the pipeline depth the rule picks (an FP8 cache at 32 sequences lowers it as the context grows). The reduce
+    keeps its count a constexpr (a variant a count: a run-time count cost 1.3 us at one sequence)."""
+    pa = importlib.import_module("mtpfactory.kernels.paged_attention")
+    monkeypatch.setattr(pa, "_sm_count", lambda device: 132)
+    kernel, keys = pa._paged_decode_kernel, set()
+    params = list(inspect.signature(kernel.fn).parameters)
+    loose = set(kernel.kwargs["do_not_specialize"] or ())
+
+    def launch(*args, **kwargs):
+        ints = tuple((a == 1, a % 16 == 0) for p, a in zip(params, args) if type(a) is int and p not in loose)
+        keys.add((ints, tuple(sorted((k, str(v)) for k, v in kwargs.items()))))
+    monkeypatch.setattr(pa, "_paged_decode_kernel", type("Stub", (), {"__getitem__": lambda self, grid: launch})())
+    monkeypatch.setattr(pa, "_paged_decode_reduce_kernel",
+                        type("Stub", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
+    dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    bs, width = 16, 4096 // 16
+    q = torch.zeros(b, 16, 256, dtype=torch.bfloat16)
+    k = torch.zeros(b * width, bs, 2, 256, dtype=dtype)
+    table = torch.arange(b * width, dtype=torch.int32).view(b, width)
+    for context in range(1, 4097, 3):
+        w = (context - 1) // bs + 1
+        pa.paged_decode_attention_launch(q, k, k, table[:, :w].contiguous(), torch.full((b,), context), 0.0625,
+                                         gate=q)
+    assert 2 <= len(keys) <= 3, len(keys)       # both forms ran: one split at the shortest contexts, then more
