@@ -255,6 +255,19 @@ def test_bench_head_floor_counts_each_weight_once_the_embedding_rows_the_picked_
         assert bench_head.floor_bytes(head, 3, 37, 2) == int(want - (experts - 2) * per_expert)
 
 
+def test_bench_head_graphs_a_forward_that_rewrites_its_rows_and_leaves_the_sequences_as_prefilled(tiny_heads):
+    """The graph column's call (`committed_forward`): the step's rows committed once, so that each replay rewrites
+    them; the call gives a step's logits and hidden, the same on every call; the sequences end as prefilled."""
+    head = bench_head.build("moe", "native", 3, 37, 2)
+    bench_head.prefill(head, 3, 37, torch.Generator().manual_seed(0))
+    with bench_head.committed_forward(head, 3, 37, torch.Generator().manual_seed(1)) as forward:
+        assert {s: (st.start, st.end) for s, st in head.cache.seqs.items()} == {0: (0, 38), 1: (0, 38), 2: (0, 38)}
+        (logits, hidden), (again, _) = forward(), forward()
+    assert logits.shape == (3, head.vocab_size) and hidden.shape == (3, head.hidden_size)
+    assert torch.equal(logits, again)
+    assert {s: (st.start, st.end) for s, st in head.cache.seqs.items()} == {0: (0, 37), 1: (0, 37), 2: (0, 37)}
+
+
 def test_bench_head_kernels_is_empty_without_a_gpu(tiny_heads):
     """--kernels profiles a GPU's kernels: on the CPU it names none, and the sequences stay as they were."""
     head = bench_head.build("moe", "native", 2, 37, 2)
