@@ -481,7 +481,7 @@ def _x_pairs_step(pairs_ptr, kk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr)
 
 @triton.jit
 def _gemv_x_step(x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr, X_CONTIG: tl.constexpr = False):
+                 X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr, X_CONTIG: tl.constexpr):
     """Each block's x pairs of the K step from element kk (`_x_pairs`: the block's first word's four, then
     its second word's): with X_PAIRS those `_x_f16_pairs_kernel` wrote, else built here from x, in one 2-D
     load where x is contiguous (X_CONTIG, `x_f16_pairs_step`), else element by element."""
@@ -664,7 +664,7 @@ def _gemv_nvfp4_f16_kernel(x_ptr, pairs_ptr, exp_ptr, w_ptr, s_ptr, s2_ptr, out_
             if X_PAIRS:   # the words and scales: x's pairs are L1 hits, loaded where they are used
                 nxt_w, nxt_s = _gemv_load_step(w_rows, s_rows, kk, K, BLOCK_K, EVEN_K)
                 a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_x_step(x_ptr, pairs_ptr, k_start + k0, K, stride_xk, x_scale,
-                                                              BLOCK_K, EVEN_K, X_PAIRS, USE_ASM)
+                                                              BLOCK_K, EVEN_K, X_PAIRS, USE_ASM, X_CONTIG)
             else:
                 nxt = _gemv_operands(w_rows, s_rows, x_ptr, pairs_ptr, kk, K, stride_xk, x_scale, BLOCK_K, EVEN_K,
                                      X_PAIRS, USE_ASM, X_CONTIG)
