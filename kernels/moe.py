@@ -69,7 +69,7 @@ from mtpfactory.kernels.linear import dot_acc, has_pdl, lowp_dot, x_exponent, x_
 from mtpfactory.kernels.linear_nvfp4 import (decoded_tile, gemv_nvfp4_step, nvfp4_f16_block_sums, nvfp4_words,
                                              permuted_x, words_refusal, x_f16_pairs_step)
 from mtpfactory.ops import (Op, broadcasts_to, cdiv, next_power_of_2, out_refusal, outs_overlap_refusal,
-                            outs_refusal, overlap_refusal, write_outs)
+                            outs_refusal, overlap_refusal, sm_count, write_outs)
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_nvfp4
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -769,13 +769,6 @@ def _route_call_refusal(router_logits, top_k, renormalize, *, out=None) -> Input
             or outs_overlap_refusal(out, _ROUTE_OUT_NAMES, in_place=("router_logits",), router_logits=router_logits))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a small number for the interpreter (CPU), which runs
-    programs one by one."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def _tiles(hidden: int, inter: int, nvfp4: bool) -> dict:
     """Tile sizes: BI gate and up rows per gate_up program, BHO down rows per down program; the K chunks
     (BH over H, BI_K over I) at least 32 wide (a dot needs 16), and for NVFP4 whole words of 8 codes and
@@ -824,7 +817,8 @@ def _launch_moe(x, tensors, inter, topk_weights, topk_ids, shared_out, shared_ga
     # The down kernel walks a group's candidates one after another; split them over programs until the
     # grid has a few programs per SM, then sum the fp32 partials in a fixed order.
     tiles = cdiv(hidden, t["BHO"])
-    split = max(1, min(cand, MAX_SPLIT, (4 * _sm_count(x.device)) // (groups * tiles)))
+    # (the interpreter, which runs programs one by one, weighed as 8 SMs: a few splits, each path run)
+    split = max(1, min(cand, MAX_SPLIT, (4 * (sm_count(x.device) or 8)) // (groups * tiles)))
     part = torch.empty(split, n, hidden, dtype=torch.float32, device=x.device) if split > 1 else out
     strides = (so.stride(0), sg.stride(0), out.stride(0))
     s_strides = (s_dn.stride(0), s_dn.stride(1)) if nvfp4 else (0, 0)
@@ -880,7 +874,7 @@ def _launch_moe_gemv(x, tensors, inter, top_k, ids, tw, h, so, sg, out, has_shar
     consts = dict(TOP_K=top_k, KP=next_power_of_2(top_k), F16=x.dtype != torch.float32, ACT=ACT_DTYPES[x.dtype],
                   INTERP=x.device.type == "cpu", USE_ASM=x.is_cuda, PDL=pdl)
     # the interpreter runs the programs one by one, each step vectorized over its tile: the fewest, largest there
-    (bi, bk), (bho, bk_down) = _gemv_tiles(n * top_k, hidden, inter, _sm_count(x.device) if x.is_cuda else 1)
+    (bi, bk), (bho, bk_down) = _gemv_tiles(n * top_k, hidden, inter, sm_count(x.device) or 1)
     _moe_gate_up_gemv_kernel[(n * top_k, cdiv(inter, bi))](
         x, ids, w_gu, s_gu, g_gu, h, hidden, inter, w_gu.shape[0], x.stride(0), w_gu.stride(0), w_gu.stride(1),
         s_gu.stride(0), s_gu.stride(1), BI=bi, BH=bk, EVEN_K=hidden % (2 * bk) == 0,      # two steps an iteration

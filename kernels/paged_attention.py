@@ -20,7 +20,7 @@ import triton.language as tl
 
 from mtpfactory.errors import InputError
 from mtpfactory.ops import (Op, broadcasts_to, cdiv, check_indices, next_power_of_2, number_refusal, out_or_empty,
-                            out_refusal, overlap_refusal, write_out)
+                            out_refusal, overlap_refusal, sm_count, write_out)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
@@ -593,12 +593,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                          num_warps=num_warps, fast_dot=fast_dot, num_stages=num_stages)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """The GPU's SMs, which the default splits weigh; 0 off a GPU (the interpreter)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
-
-
 def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
@@ -619,7 +613,7 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     fast_dot = fp8 if fast_dot is None else fast_dot  # an FP8 cache's fp16 dots keep tf32's numerics (_dot_dtype)
     block_n = _default_block_n(k_cache, d_pad) if block_n is None else block_n
     max_tokens = max(1, block_tables.shape[1] * bs)
-    sms = _sm_count(q.device)
+    sms = sm_count(q.device)
     exact = torch.float32 in (q.dtype, k_cache.dtype)
     dot_dtype = _dot_dtype(q, k_cache, fast_dot)
     splits, num_stages = _default_tuning(sms, b * hkv, max_tokens, block_n, fp8, num_splits, num_stages,

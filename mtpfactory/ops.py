@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib.util
 import logging
 import os
@@ -314,6 +315,13 @@ def cdiv(a: int, b: int) -> int:
     function whose wrapper costs 2.8-3.4 us a call from Python (against 0.1 here, on a CPU of this project's
     machines), and the launchers call it on every op call."""
     return (a + b - 1) // b
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """A CUDA device's streaming multiprocessors, which launchers weigh their grids against; 0 off a GPU (Triton's
+    interpreter, which runs the programs one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def next_power_of_2(n: int) -> int:

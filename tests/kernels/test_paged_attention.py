@@ -907,7 +907,7 @@ def test_a_growing_sequence_compiles_few_variants_of_the_attention_kernel(monkey
     the pipeline depth the rule picks (an FP8 cache at 32 sequences lowers it as the context grows). The reduce
     keeps its count a constexpr (a variant a count: a run-time count cost 1.3 us at one sequence)."""
     pa = importlib.import_module("mtpfactory.kernels.paged_attention")
-    monkeypatch.setattr(pa, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(pa, "sm_count", lambda device: 132)
     kernel, keys = pa._paged_decode_kernel, set()
     params = list(inspect.signature(kernel.fn).parameters)
     loose = set(kernel.kwargs["do_not_specialize"] or ())
