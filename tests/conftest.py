@@ -15,3 +15,56 @@ if shutil.which("nvidia-smi") is None:
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+
+
+def _patch_interpreter_once_a_launch() -> None:
+    """Triton 3.6's interpreter patches triton.language for the interpreter (`_patch_lang`: every builtin of
+    tl, tl.tensor, tl.math and tl.core wrapped, found by `inspect.getmembers`) at each kernel launch, and again
+    at each call of a @triton.jit helper inside it, where the patch is the launch's own over again (it depends on
+    the function only through which of tl and tl.core its module imports) and is never undone. That repeat was
+    a fifth of an NVFP4 head's interpreted run (cProfile, 2026-12-06: 158k `_patch_builtin` calls, 29 of
+    143 s). Here a helper's call whose modules the running launch already patched patches nothing; a launch,
+    or a helper that imports a module the launch did not, patches as before. Skipped (Triton's own behaviour)
+    where the interpreter lacks the private function this wraps."""
+    try:
+        import inspect
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    grid_call = getattr(getattr(interpreter, "GridExecutor", None), "__call__", None)
+    if patch_lang is None or grid_call is None or getattr(patch_lang, "once_a_launch", False):
+        return
+    patched: list[frozenset[int] | None] = []  # the modules the running launch patched (None: not yet)
+
+    def langs(fn) -> frozenset[int]:
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+    class _Nothing:
+        def restore(self) -> None:
+            pass
+
+    def once(fn):
+        if not patched:
+            return patch_lang(fn)
+        if patched[-1] is None:                # the launch's own patch
+            patched[-1] = langs(fn)
+            return patch_lang(fn)
+        if langs(fn) <= patched[-1]:
+            return _Nothing()
+        return patch_lang(fn)
+    once.once_a_launch = True
+
+    def launch(self, *args, **kwargs):
+        patched.append(None)
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+    interpreter._patch_lang = once
+    interpreter.GridExecutor.__call__ = launch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_once_a_launch()
