@@ -151,8 +151,8 @@ def _fp16_top_binade(amax):
 # one sequence's first 1024 tokens compiled 16 variants of this kernel on an H100 (BENCHMARKS, thirty-first run,
 # HG; 0.1-0.5 s each, in the middle of decoding). It needs of the count only whether there are several (SPLIT)
 # and the grid's size. `max_tokens` and `split_len` stay specialized: multiples of 16 at every length (a block
-# size of 16, tiles of 16 or 32), they add no variant. The reduce keeps its count a constexpr: its one chunk of
-# splits then compiles unrolled, and at run time it compiled to a loop that cost 1.3 us at one sequence (HG).
+# size of 16, tiles of 16 or 32), they add no variant. The reduce takes its count at run time too
+# (`_paged_decode_reduce_kernel`).
 @triton.jit(do_not_specialize=("s_btb",))
 def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gate_ptr, bt_ptr, cl_ptr, out_ptr,
@@ -247,15 +247,42 @@ def _paged_decode_kernel(
 
 
 @triton.jit
+def _reduce_chunk(m_i, l_i, acc, pacc_ptr, pm_ptr, pl_ptr, row0, s0, num_splits, g, d, g_mask, d_mask,
+                  G_PAD: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Fold splits s0 .. s0 + CHUNK - 1 of one (sequence, KV head) into the running (max, sum, acc), loaded
+    together."""
+    s = s0 + tl.arange(0, CHUNK)
+    # splits past the last and padded lanes (never written) read as empty splits: max -inf, sum 0, acc 0
+    sg_mask = (s < num_splits)[:, None] & g_mask[None, :]  # [CHUNK, G_PAD]
+    sg = (row0 + s)[:, None] * G_PAD + g[None, :]
+    m_s = tl.load(pm_ptr + sg, mask=sg_mask, other=float("-inf"))
+    l_s = tl.load(pl_ptr + sg, mask=sg_mask, other=0.0)
+    a_s = tl.load(pacc_ptr + sg[:, :, None] * D_PAD + d[None, None, :],
+                  mask=sg_mask[:, :, None] & d_mask[None, None, :], other=0.0)  # [CHUNK, G_PAD, BLOCK_D]
+    m_new = tl.maximum(m_i, tl.max(m_s, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    beta = tl.exp2(m_s - m_safe[None, :])  # an empty split (m_s = -inf, l_s = 0, acc 0) adds nothing
+    l_i = l_i * alpha + tl.sum(l_s * beta, axis=0)
+    acc = acc * alpha[:, None] + tl.sum(a_s * beta[:, :, None], axis=0)
+    return m_new, l_i, acc
+
+
+# The split count is a run-time argument (not specialized: a count that is 1 or a multiple of 16 would compile its
+# own variant), so a growing sequence compiles one variant for each CHUNK, a power of two. Where one chunk holds
+# every split (every default count: at most 64) it is folded without a loop: a loop over a run-time count, though
+# it ran once, cost 1.3 us at one sequence on an H100 (BENCHMARKS, thirty-first run, HG).
+@triton.jit(do_not_specialize=("num_splits",))
 def _paged_decode_reduce_kernel(
-        pacc_ptr, pm_ptr, pl_ptr, gate_ptr, out_ptr,
+        pacc_ptr, pm_ptr, pl_ptr, gate_ptr, out_ptr, num_splits,
         s_gb, s_gh, s_gd, s_ob, s_oh, s_od,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, HAS_GATE: tl.constexpr):
+        BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, LOOP: tl.constexpr, HAS_GATE: tl.constexpr):
     """Combine the splits' (acc, max, sum) of one (sequence, KV head) over BLOCK_D of its dims and store the
     gated output: programs over the dims too, so that few sequences with many splits still spread. CHUNK
     splits a step, loaded together: with one split a step, the loop (compiled for sm_90) used each load right
-    after issuing it, so every split waited a load's latency (hundreds of ns from L2) in turn."""
+    after issuing it, so every split waited a load's latency (hundreds of ns from L2) in turn. LOOP: more
+    splits than one chunk."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     g = tl.arange(0, G_PAD)
@@ -265,23 +292,14 @@ def _paged_decode_reduce_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # guarded as in _paged_decode_kernel
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    row0 = (pid_b * tl.num_programs(1) + pid_h) * NUM_SPLITS
-    for s0 in range(0, NUM_SPLITS, CHUNK):
-        s = s0 + tl.arange(0, CHUNK)
-        # splits past the last and padded lanes (never written) read as empty splits: max -inf, sum 0, acc 0
-        sg_mask = (s < NUM_SPLITS)[:, None] & g_mask[None, :]  # [CHUNK, G_PAD]
-        sg = (row0 + s)[:, None] * G_PAD + g[None, :]
-        m_s = tl.load(pm_ptr + sg, mask=sg_mask, other=float("-inf"))
-        l_s = tl.load(pl_ptr + sg, mask=sg_mask, other=0.0)
-        a_s = tl.load(pacc_ptr + sg[:, :, None] * D_PAD + d[None, None, :],
-                      mask=sg_mask[:, :, None] & d_mask[None, None, :], other=0.0)  # [CHUNK, G_PAD, BLOCK_D]
-        m_new = tl.maximum(m_i, tl.max(m_s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        beta = tl.exp2(m_s - m_safe[None, :])  # an empty split (m_s = -inf, l_s = 0, acc 0) adds nothing
-        l_i = l_i * alpha + tl.sum(l_s * beta, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(a_s * beta[:, :, None], axis=0)
-        m_i = m_new
+    row0 = (pid_b * tl.num_programs(1) + pid_h) * num_splits
+    if LOOP:
+        for s0 in range(0, num_splits, CHUNK):
+            m_i, l_i, acc = _reduce_chunk(m_i, l_i, acc, pacc_ptr, pm_ptr, pl_ptr, row0, s0, num_splits, g, d,
+                                          g_mask, d_mask, G_PAD, D_PAD, CHUNK)
+    else:
+        m_i, l_i, acc = _reduce_chunk(m_i, l_i, acc, pacc_ptr, pm_ptr, pl_ptr, row0, 0, num_splits, g, d,
+                                      g_mask, d_mask, G_PAD, D_PAD, CHUNK)
     _store_out(acc, l_i, out_ptr, gate_ptr, pid_b, pid_h * GROUP + g, d, g_mask, d_mask,
                s_ob, s_oh, s_od, s_gb, s_gh, s_gd, HAS_GATE)
 
@@ -647,9 +665,9 @@ def paged_decode_attention_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if splits > 1:
         block_d = min(d_pad, _REDUCE_BLOCK_D)
         chunk = max(1, min(next_power_of_2(splits), _REDUCE_TILE // (g_pad * block_d)))
-        _paged_decode_reduce_kernel[(b, hkv, d_pad // block_d)](pacc, pm, pl, gt, out, *gt.stride(), *out.stride(),
-                                                                BLOCK_D=block_d, NUM_SPLITS=splits, CHUNK=chunk,
-                                                                num_warps=4, **consts)
+        _paged_decode_reduce_kernel[(b, hkv, d_pad // block_d)](pacc, pm, pl, gt, out, splits, *gt.stride(),
+                                                                *out.stride(), BLOCK_D=block_d, CHUNK=chunk,
+                                                                LOOP=splits > chunk, num_warps=4, **consts)
     return out
 
 

@@ -898,26 +898,29 @@ def test_gpu_in_place_on_q_or_the_gate(kv, into, num_splits):
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("b", [1, 32])
-def test_a_growing_sequence_compiles_few_variants_of_the_attention_kernel(monkeypatch, kv, b):
+def test_a_growing_sequence_compiles_few_variants_of_its_kernels(monkeypatch, kv, b):
     """Triton compiles a kernel once for each constexpr value and launch option, and for each integer argument that
     is 1 or a multiple of 16 (unless `do_not_specialize` names it). With the split count a constexpr, Qwen3-Next's
     attention kernel took 75 variants over one sequence's first 4096 tokens at an H100's 132 SMs (16 over 1024,
-    measured: BENCHMARKS, thirty-first run), each a compile of 0.1-0.5 s in the middle of decoding. The keys of its
-    launches over those contexts, as Triton forms them (the launches stubbed): at most 3, one split or several and
-    the pipeline depth the rule picks (an FP8 cache at 32 sequences lowers it as the context grows). The reduce
-    keeps its count a constexpr (a variant a count: a run-time count cost 1.3 us at one sequence)."""
+    and the reduce 15: BENCHMARKS, thirty-first run), each a compile of 0.1-0.5 s in the middle of decoding. The
+    keys of the launches over those contexts, as Triton forms them (the launches stubbed): at most 3 of the
+    attention kernel, one split or several and the pipeline depth the rule picks (an FP8 cache at 32 sequences
+    lowers it as the context grows); of the reduce, one for each power of two of chunk up to the 64 splits a
+    default takes at most, each chunk folded without a loop."""
     pa = importlib.import_module("mtpfactory.kernels.paged_attention")
     monkeypatch.setattr(pa, "sm_count", lambda device: 132)
-    kernel, keys = pa._paged_decode_kernel, set()
-    params = list(inspect.signature(kernel.fn).parameters)
-    loose = set(kernel.kwargs["do_not_specialize"] or ())
+    keys = {"attention": set(), "reduce": set()}
 
-    def launch(*args, **kwargs):
-        ints = tuple((a == 1, a % 16 == 0) for p, a in zip(params, args) if type(a) is int and p not in loose)
-        keys.add((ints, tuple(sorted((k, str(v)) for k, v in kwargs.items()))))
-    monkeypatch.setattr(pa, "_paged_decode_kernel", type("Stub", (), {"__getitem__": lambda self, grid: launch})())
-    monkeypatch.setattr(pa, "_paged_decode_reduce_kernel",
-                        type("Stub", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
+    def stub(name, kernel):
+        params = list(inspect.signature(kernel.fn).parameters)
+        loose = set(kernel.kwargs.get("do_not_specialize") or ())
+
+        def launch(*args, **kwargs):
+            ints = tuple((a == 1, a % 16 == 0) for p, a in zip(params, args) if type(a) is int and p not in loose)
+            keys[name].add((ints, tuple(sorted((k, str(v)) for k, v in kwargs.items()))))
+        return type("Stub", (), {"__getitem__": lambda self, grid: launch})()
+    monkeypatch.setattr(pa, "_paged_decode_kernel", stub("attention", pa._paged_decode_kernel))
+    monkeypatch.setattr(pa, "_paged_decode_reduce_kernel", stub("reduce", pa._paged_decode_reduce_kernel))
     dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
     bs, width = 16, 4096 // 16
     q = torch.zeros(b, 16, 256, dtype=torch.bfloat16)
@@ -927,4 +930,6 @@ def test_a_growing_sequence_compiles_few_variants_of_the_attention_kernel(monkey
         w = (context - 1) // bs + 1
         pa.paged_decode_attention_launch(q, k, k, table[:, :w].contiguous(), torch.full((b,), context), 0.0625,
                                          gate=q)
-    assert 2 <= len(keys) <= 3, len(keys)       # both forms ran: one split at the shortest contexts, then more
+    assert 2 <= len(keys["attention"]) <= 3, keys["attention"]  # both forms ran: one split at first, then more
+    assert 1 <= len(keys["reduce"]) <= 6, keys["reduce"]        # chunks of 2, 4, ... 64 splits
+    assert all(("LOOP", "False") in kw for _, kw in keys["reduce"]), keys["reduce"]
