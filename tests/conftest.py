@@ -23,9 +23,10 @@ def _patch_interpreter_once_a_launch() -> None:
     at each call of a @triton.jit helper inside it, where the patch is the launch's own over again (it depends on
     the function only through which of tl and tl.core its module imports) and is never undone. That repeat was
     a fifth of an NVFP4 head's interpreted run (cProfile, 2026-12-06: 158k `_patch_builtin` calls, 29 of
-    143 s). Here a helper's call whose modules the running launch already patched patches nothing; a launch,
-    or a helper that imports a module the launch did not, patches as before. Skipped (Triton's own behaviour)
-    where the interpreter lacks the private function this wraps."""
+    143 s). Here a helper's call whose modules the running launch (or a helper's call before it in the launch)
+    already patched patches nothing; a launch, or the first helper that imports a module not yet patched (the
+    language's own helpers, `tl.max`'s combine or `tl.sigmoid`, import tl.core), patches as before. Skipped
+    (Triton's own behaviour) where the interpreter lacks the private function this wraps."""
     try:
         import inspect
         import triton.language as tl
@@ -51,8 +52,9 @@ def _patch_interpreter_once_a_launch() -> None:
         if patched[-1] is None:                # the launch's own patch
             patched[-1] = langs(fn)
             return patch_lang(fn)
-        if langs(fn) <= patched[-1]:
+        if (mine := langs(fn)) <= patched[-1]:
             return _Nothing()
+        patched[-1] = patched[-1] | mine       # a helper's patch lasts the launch too: Triton never undoes it
         return patch_lang(fn)
     once.once_a_launch = True
 
