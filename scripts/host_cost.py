@@ -2,7 +2,11 @@
 planning and its allocations, with the kernels themselves not launched. Runs on the CPU (the kernels' launch is
 stubbed on Triton's interpreter), at small decode-step shapes; the figure is a median over rounds of many calls.
 
-    python3 scripts/host_cost.py [--calls 2000] [--rounds 5] [--profile OP]
+    python3 scripts/host_cost.py [--calls 2000] [--rounds 5] [--profile OP] [--steps]
+
+`--steps` also times a head's whole decode step (`head.step` of 4 sequences, one row each, at 20 tokens: its
+checks, cache commit and every op call) at the tiny presets, where the kernels' paths can differ from the real
+sizes' (the LM head's x pass starts at a size) but the calls are the same ones.
 
 On a GPU the same Python runs before each launch (plus the CUDA allocator's and the launch's own cost), so an
 op whose figure here passes its kernel's time on the GPU is bound by the host when it is not in a CUDA graph.
@@ -59,14 +63,47 @@ def cases() -> dict[str, object]:
     }
 
 
+STEP_SEQS, STEP_CONTEXT = 4, 20
+
+
+def step_cases() -> dict[str, object]:
+    """'step HEAD' -> one decode step of the head at its tiny preset under runtime.backend=triton, its sequences
+    truncated back after it (so every call steps the same positions; the truncation is timed apart, `truncate`)."""
+    import mtpfactory
+    found = {}
+    for name in ("dense", "bf16_moe"):
+        head = mtpfactory.build_head(mtpfactory.compose(f"+head={name}", "runtime.device=cpu",
+                                                        "runtime.backend=triton", "runtime.prefill_chunk=32"))
+        rows = torch.zeros(STEP_CONTEXT, head.hidden_size, dtype=head.dtype)
+        for seq in range(STEP_SEQS):
+            head.prefill(seq, torch.zeros(STEP_CONTEXT, dtype=torch.long), rows, torch.arange(STEP_CONTEXT))
+        ids, tokens = torch.arange(STEP_SEQS), torch.zeros(STEP_SEQS, dtype=torch.long)
+        hidden, positions = rows[:STEP_SEQS], torch.full((STEP_SEQS,), STEP_CONTEXT)
+
+        def truncate(head=head):
+            for seq in range(STEP_SEQS):
+                head.truncate(seq, STEP_CONTEXT)
+
+        def step(head=head, truncate=truncate):
+            head.step(ids, tokens, hidden, positions)
+            truncate()
+        found[f"step {name}"] = step
+        found.setdefault("truncate", truncate)
+    return found
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000, help="calls a round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", default="", help="an op's name: cProfile its calls after the timing")
+    ap.add_argument("--steps", action="store_true", help="also a head's whole decode step at the tiny presets "
+                    f"({STEP_SEQS} sequences; 'step HEAD' includes their truncation, timed apart as 'truncate')")
     args = ap.parse_args()
     stub_launches()
     calls = cases()
+    if args.steps:
+        calls.update(step_cases())
     if args.profile and args.profile not in calls:
         ap.error(f"--profile {args.profile}: not an op timed here; the ops are {', '.join(calls)}")
     print(f"host time an op call, its kernels not launched (torch {torch.__version__}, CPU); us, median of "

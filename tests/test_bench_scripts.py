@@ -170,14 +170,15 @@ def test_bench_ops_gives_each_row_the_clocks_logged_while_it_was_timed(tiny, tmp
 
 
 def test_host_cost_times_every_op_with_its_kernels_not_launched():
-    """scripts/host_cost.py in its own process (it stubs the interpreter's launches): a line an op, and a refusal
-    naming the ops for an unknown --profile."""
-    run = subprocess.run([sys.executable, str(SCRIPTS / "host_cost.py"), "--calls", "3", "--rounds", "1"],
+    """scripts/host_cost.py in its own process (it stubs the interpreter's launches): a line an op, with --steps a
+    line a head's step and one for the truncation it includes, and a refusal naming the ops for an unknown
+    --profile."""
+    run = subprocess.run([sys.executable, str(SCRIPTS / "host_cost.py"), "--calls", "3", "--rounds", "1", "--steps"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    rows = [line.split()[0] for line in run.stdout.splitlines()[1:]]
+    rows = [line.rsplit(None, 3)[0] for line in run.stdout.splitlines()[1:]]
     assert rows == ["rms_norm", "linear", "embedding", "rope_neox", "paged_decode_attention", "moe_route_softmax",
-                    "fused_moe", "argmax"]
+                    "fused_moe", "argmax", "step dense", "truncate", "step bf16_moe"]
     bad = subprocess.run([sys.executable, str(SCRIPTS / "host_cost.py"), "--profile", "nope"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "the ops are rms_norm, linear" in bad.stderr
