@@ -84,8 +84,8 @@ def step_cases() -> dict[str, object]:
             for seq in range(STEP_SEQS):
                 head.truncate(seq, STEP_CONTEXT)
 
-        def step(head=head, truncate=truncate):
-            head.step(ids, tokens, hidden, positions)
+        def step(head=head, args=(ids, tokens, hidden, positions), truncate=truncate):
+            head.step(*args)
             truncate()
         found[f"step {name}"] = step
         found.setdefault("truncate", truncate)
