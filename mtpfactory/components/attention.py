@@ -13,6 +13,7 @@ from torch import nn
 from mtpfactory import kernels as K
 from mtpfactory.components.cache import PagedKVCache
 from mtpfactory.components.linear import Linear
+from mtpfactory.components.norms import RMSNorm
 from mtpfactory.kernels.rope import rope_inv_freq
 
 
@@ -29,11 +30,17 @@ class GatedGQAAttention(nn.Module):
         self.scale = head_dim ** -0.5
         self.cache = cache
 
+    def _norm_rope(self, norm: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """norm(x) rotated, [N, heads, D]; x may be a strided view. The built-in RMSNorm makes both in one op
+        (`rms_norm_rope`, which reads x at its strides); a norm of another kind (a user's) runs, then the RoPE."""
+        if type(norm) is RMSNorm:
+            return K.rms_norm_rope(x, norm.weight, norm.eps, norm.zero_centred, positions, self.inv_freq)
+        return K.rope_neox(norm(x.contiguous()), positions, self.inv_freq)
+
     def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))  # [N, kv_heads, D]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        return K.rope_neox(k, positions, self.inv_freq), v
+        k = self._norm_rope(self.k_norm, self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), positions)
+        return k, self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, kv_heads, D] each
 
     def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the K/V rows of x (already input-normed, [N, H]) at `slots`, without attending."""
@@ -50,7 +57,7 @@ class GatedGQAAttention(nn.Module):
         b = x.shape[0]
         qg = self.q_proj(x).view(b, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]  # [B, heads, D] each (strided views)
-        q = K.rope_neox(self.q_norm(q.contiguous()), positions, self.inv_freq)
+        q = self._norm_rope(self.q_norm, q, positions)
         self.write_kv(x, positions, slots)
         c = self.cache
         a = K.paged_decode_attention(q, c.k, c.v, block_tables, context_lens, self.scale, gate,
