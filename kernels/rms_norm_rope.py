@@ -156,7 +156,8 @@ def rms_norm_rope_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero
     half = inv_freq.numel()
     block_heads, block_half, block_rest = _blocks(heads, D, half)
     _rms_norm_rope_kernel[(N, cdiv(heads, block_heads))](
-        x, weight, positions.contiguous(), inv_freq.contiguous(), y, heads, D, half, eps, x.stride(0), x.stride(1), *y.stride(),
+        x, weight, positions.contiguous(), inv_freq.contiguous(), y, heads, D, half, eps, x.stride(0), x.stride(1),
+        *y.stride(),
         ZERO_CENTRED=bool(zero_centred), BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, BLOCK_REST=block_rest,
         LIBDEVICE_TRIG=x.is_cuda, num_warps=4,
         enable_fp_fusion=False)  # no FMA contraction: fp32 rounds each product, as torch does

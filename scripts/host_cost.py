@@ -56,6 +56,7 @@ def cases() -> dict[str, object]:
         "linear": lambda: K.linear(x, wl),
         "embedding": lambda: K.embedding(ids, table),
         "rope_neox": lambda: K.rope_neox(q, pos, inv_freq),
+        "rms_norm_rope": lambda: K.rms_norm_rope(q, w[:256], 1e-6, True, pos, inv_freq),
         "paged_decode_attention": lambda: K.paged_decode_attention(q, kc, vc, tables, lens, 0.0625, gate),
         "moe_route_softmax": lambda: K.moe_route_softmax(logits, 2, True),
         "fused_moe": lambda: K.fused_moe(x, w_gate_up, w_down, topk_w, topk_ids),

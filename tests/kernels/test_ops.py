@@ -20,7 +20,7 @@ ACCEPTS = lambda *args, **kwargs: None  # noqa: E731  (an op contract that refus
 
 def test_every_op_has_a_triton_provider():
     defined = ops.all_ops()
-    assert {"linear", "linear_fp8", "linear_nvfp4", "rms_norm", "rope_neox", "reshape_and_cache",
+    assert {"linear", "linear_fp8", "linear_nvfp4", "rms_norm", "rope_neox", "rms_norm_rope", "reshape_and_cache",
             "reshape_and_cache_fp8", "paged_decode_attention", "moe_route_softmax", "fused_moe",
             "fused_moe_nvfp4", "argmax", "embedding", "quantize_nvfp4", "quantize_fp8"} <= set(defined)
     assert [name for name, op in defined.items() if "triton" not in op.providers] == []
@@ -192,6 +192,8 @@ def _expanded_outs() -> dict:
         "argmax": (K.argmax, (torch.randn(3, 5),), torch.zeros(1, dtype=torch.int64).expand(3)),
         "rope_neox": (K.rope_neox, (x, torch.tensor([1, 2]), rope_inv_freq(8, 1e4)),
                       torch.zeros(1, 2, 8).expand(2, 2, 8)),
+        "rms_norm_rope": (K.rms_norm_rope, (x, torch.randn(8), 1e-6, True, torch.tensor([1, 2]),
+                                            rope_inv_freq(8, 1e4)), torch.zeros(1, 2, 8).expand(2, 2, 8)),
     }
 
 
