@@ -5,6 +5,7 @@ Importing this package defines every op in `mtpfactory.ops`.
 """
 
 from mtpfactory.kernels.argmax import argmax
+from mtpfactory.kernels.embed_norm_cat import embed_norm_cat
 from mtpfactory.kernels.embedding import embedding
 from mtpfactory.kernels.linear import linear
 from mtpfactory.kernels.linear_fp8 import linear_fp8
@@ -20,7 +21,7 @@ from mtpfactory.kernels.rms_norm_linear_nvfp4 import rms_norm_linear_nvfp4
 from mtpfactory.kernels.rms_norm_rope import rms_norm_rope
 from mtpfactory.kernels.rope import rope_neox
 
-__all__ = ["argmax", "embedding", "fused_moe", "fused_moe_nvfp4", "linear", "linear_fp8", "linear_nvfp4",
+__all__ = ["argmax", "embed_norm_cat", "embedding", "fused_moe", "fused_moe_nvfp4", "linear", "linear_fp8", "linear_nvfp4",
            "moe_route_softmax", "paged_decode_attention",
            "quantize_fp8", "quantize_nvfp4", "reshape_and_cache", "reshape_and_cache_fp8", "rms_norm",
            "rms_norm_linear_nvfp4", "rms_norm_rope", "rope_neox"]

@@ -55,6 +55,7 @@ def cases() -> dict[str, object]:
         "rms_norm": lambda: K.rms_norm(x, w, 1e-6, True),
         "linear": lambda: K.linear(x, wl),
         "embedding": lambda: K.embedding(ids, table),
+        "embed_norm_cat": lambda: K.embed_norm_cat(ids, table, w, x, w, 1e-6, True),
         "rope_neox": lambda: K.rope_neox(q, pos, inv_freq),
         "rms_norm_rope": lambda: K.rms_norm_rope(q, w[:256], 1e-6, True, pos, inv_freq),
         "paged_decode_attention": lambda: K.paged_decode_attention(q, kc, vc, tables, lens, 0.0625, gate),

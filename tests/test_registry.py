@@ -15,6 +15,7 @@ import torch
 import mtpfactory
 from mtpfactory import ops, registry
 from mtpfactory.components.ffn import SwiGLU, build_swiglu
+from mtpfactory.components.norms import RMSNorm
 from mtpfactory.errors import ConfigError, UnknownNameError
 
 ACCEPTS = lambda *args, **kwargs: None  # noqa: E731  (an op contract that refuses nothing)
@@ -101,6 +102,41 @@ def test_user_ffn_chosen_from_python_and_config_changes_the_head():
         outs.append(head.step(torch.tensor([0]), tokens[4:], hidden[4:], torch.tensor([4]))[1])
     assert mine.ffn.calls == 1  # the prefill path writes KV only; the step ran the user's FFN
     assert not torch.allclose(outs[0], outs[1])
+
+
+class CountingNorm(RMSNorm):
+    """A user's norm: the built-in RMSNorm's math under another class, counting its calls."""
+
+    calls = 0
+
+    def forward(self, x, residual=None):
+        CountingNorm.calls += 1
+        return super().forward(x, residual)
+
+
+def build_counting_norm(ctx, name, dim, eps):
+    return CountingNorm(ctx.tensor(name, dim), eps, zero_centred=True)
+
+
+def test_user_norm_runs_itself_where_the_builtin_norms_fuse():
+    """The heads fuse the built-in RMSNorm into its neighbours (`embed_norm_cat`, `rms_norm_rope`); a norm of the
+    user's own is called, each of the six a step (q, k, the two fc-input norms, input and post-attention
+    layernorms; the final norm goes through the LM head), and gives the built-in's answer where its math is the
+    same: relative 1e-5 in fp32 through the Triton path (the fused kernels sum each row in another order)."""
+    mtpfactory.register("norm", "test_counting_norm", build_counting_norm, override=True)
+    base = ("+head=bf16_moe", "runtime.dtype=float32", "runtime.device=cpu", "runtime.backend=triton",
+            "runtime.prefill_chunk=32")
+    g = torch.Generator().manual_seed(1)
+    tokens, hidden = torch.randint(0, 512, (5,), generator=g), torch.randn(5, 64, generator=g)
+    outs = []
+    for norm in ("zero_centred_rmsnorm", "test_counting_norm"):
+        head = mtpfactory.build_head(mtpfactory.compose(*base, f"head.norm={norm}"))
+        head.prefill(0, tokens[:4], hidden[:4], torch.arange(4))
+        CountingNorm.calls = 0
+        outs.append(head.step(torch.tensor([0]), tokens[4:], hidden[4:], torch.tensor([4])))
+    assert CountingNorm.calls >= 6
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_user_ffn_from_the_cli_through_an_entry_point(tmp_path):

@@ -24,6 +24,7 @@ from mtpfactory.build import BuildContext, allocated, runtime_dtype
 from mtpfactory.components.cache import PagedKVCache, PoolSpec, drafter_pool_blocks
 from mtpfactory.components.ffn import build_moe, build_swiglu
 from mtpfactory.components.linear import Linear
+from mtpfactory.components.norms import RMSNorm
 from mtpfactory.components.lm_head import LMHead
 from mtpfactory.errors import ConfigError, WeightsError
 from mtpfactory.heads.base import DraftHead, PrefillScratch
@@ -62,8 +63,13 @@ class QwenMTPHead(DraftHead):
         self.post_attention_layernorm, self.ffn, self.norm, self.lm_head = post_attention_layernorm, ffn, norm, lm_head
 
     def _fc_in(self, tokens: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        e = self.norm_embedding(K.embedding(tokens, self.embed))  # [N, H]
-        return self.fc(torch.cat([e, self.norm_hidden(hidden)], dim=-1, out=out))  # [N, 2H] -> [N, H]
+        ne, nh = self.norm_embedding, self.norm_hidden
+        if type(ne) is RMSNorm and type(nh) is RMSNorm and (ne.eps, ne.zero_centred) == (nh.eps, nh.zero_centred):
+            # the built-in norms: the gather, both norms and the concatenation in one op
+            x = K.embed_norm_cat(tokens, self.embed, ne.weight, hidden, nh.weight, ne.eps, ne.zero_centred, out=out)
+        else:
+            x = torch.cat([ne(K.embedding(tokens, self.embed)), nh(hidden)], dim=-1, out=out)
+        return self.fc(x)  # [N, 2H] -> [N, H]
 
     def _write_rows(self, tokens, hidden, positions, slots) -> None:
         x = self._fc_in(tokens, hidden, out=self.prefill_scratch.concat[: tokens.shape[0]])
