@@ -1,8 +1,8 @@
 """Gated GQA attention (Qwen3-Next full attention) over the drafter's paged KV cache.
 
 q|gate = q_proj(x) viewed [heads, 2 * head_dim] (per head: q first, then its gate); q = q_norm(q),
-k = k_norm(k_proj(x)), v = v_proj(x); NeoX RoPE on the first partial_rotary_factor of head_dim;
-out = o_proj(attention(q, K, V) * sigmoid(gate)).
+k = k_norm(k_proj(x)), v = v_proj(x) (k_proj and v_proj one GEMV where stored alike, `Projections`); NeoX RoPE on
+the first partial_rotary_factor of head_dim; out = o_proj(attention(q, K, V) * sigmoid(gate)).
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from torch import nn
 
 from mtpfactory import kernels as K
 from mtpfactory.components.cache import PagedKVCache
-from mtpfactory.components.linear import Linear
+from mtpfactory.components.linear import Linear, Projections
 from mtpfactory.components.norms import RMSNorm
 from mtpfactory.kernels.rope import rope_inv_freq
 
 
 class GatedGQAAttention(nn.Module):
-    def __init__(self, q_proj: Linear, k_proj: Linear, v_proj: Linear, o_proj: Linear, q_norm: nn.Module,
-                 k_norm: nn.Module, *, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
-                 rope_theta: float, cache: PagedKVCache) -> None:
+    def __init__(self, q_proj: Linear, kv_proj: Projections, o_proj: Linear, q_norm: nn.Module, k_norm: nn.Module,
+                 *, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float,
+                 cache: PagedKVCache) -> None:
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.q_proj, self.kv_proj, self.o_proj = q_proj, kv_proj, o_proj  # kv_proj: (k_proj, v_proj)
         self.q_norm, self.k_norm = q_norm, k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         # on the cache's device: the Triton RoPE reads it there (on the CPU, `auto` ran the reference every call)
@@ -39,8 +39,8 @@ class GatedGQAAttention(nn.Module):
 
     def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.shape[0]
-        k = self._norm_rope(self.k_norm, self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), positions)
-        return k, self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, kv_heads, D] each
+        k, v = (t.view(n, self.num_kv_heads, self.head_dim) for t in self.kv_proj(x))  # [N, kv_heads, D] each
+        return self._norm_rope(self.k_norm, k, positions), v
 
     def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the K/V rows of x (already input-normed, [N, H]) at `slots`, without attending."""
@@ -70,7 +70,9 @@ def build_gated_gqa(ctx, prefix: str, *, q_norm: nn.Module, k_norm: nn.Module,
     m = ctx.model
     h, nq, nkv, hd = m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim
     return GatedGQAAttention(
-        ctx.linear(prefix + "q_proj", nq * hd * 2, h, "q"), ctx.linear(prefix + "k_proj", nkv * hd, h, "k"),
-        ctx.linear(prefix + "v_proj", nkv * hd, h, "v"), ctx.linear(prefix + "o_proj", h, nq * hd, "o"),
+        ctx.linear(prefix + "q_proj", nq * hd * 2, h, "q"),
+        Projections([ctx.linear(prefix + "k_proj", nkv * hd, h, "k"),
+                     ctx.linear(prefix + "v_proj", nkv * hd, h, "v")]),
+        ctx.linear(prefix + "o_proj", h, nq * hd, "o"),
         q_norm, k_norm, num_heads=nq, num_kv_heads=nkv, head_dim=hd,
         rotary_dim=int(hd * m.partial_rotary_factor), rope_theta=m.rope_theta, cache=cache)

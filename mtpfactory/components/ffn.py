@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mtpfactory import kernels as K
-from mtpfactory.components.linear import Linear, nvfp4_k_refusal
+from mtpfactory.components.linear import Linear, Projections, nvfp4_k_refusal
 from mtpfactory.quant import dequantize_nvfp4
 
 log = logging.getLogger(__name__)
@@ -17,14 +17,15 @@ PROGRESS_EVERY = 128
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)); gate and up one GEMV where stored alike (`Projections`)."""
 
-    def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
+    def __init__(self, gate_up: Projections, down: Linear) -> None:
         super().__init__()
-        self.gate, self.up, self.down = gate, up, down
+        self.gate_up, self.down = gate_up, down  # gate_up: (gate_proj, up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
-        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x)
+        return self.down(torch.nn.functional.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -98,12 +99,14 @@ class ExpertsNVFP4(nn.Module):
 
 
 class MoE(nn.Module):
-    """sum over the top-k experts of renorm(softmax(router(x))) * expert(x) + sigmoid(shared_gate(x)) * shared(x)."""
+    """sum over the top-k experts of renorm(softmax(router(x))) * expert(x) + sigmoid(shared_gate(x)) * shared(x),
+    shared(x) = shared_down(silu(shared_gate_proj(x)) * shared_up(x)). The four projections of x (router,
+    the shared expert's gate and up, its blend gate) are one GEMV where stored alike (`Projections`)."""
 
-    def __init__(self, router: Linear, experts: nn.Module, shared: SwiGLU, shared_gate: Linear, top_k: int,
+    def __init__(self, x_proj: Projections, experts: nn.Module, shared_down: Linear, top_k: int,
                  renormalize: bool) -> None:
         super().__init__()
-        self.router, self.experts, self.shared, self.shared_gate = router, experts, shared, shared_gate
+        self.x_proj, self.experts, self.shared_down = x_proj, experts, shared_down
         self.top_k, self.renormalize = top_k, renormalize
 
     @property
@@ -111,18 +114,18 @@ class MoE(nn.Module):
         return self.experts.num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
-        weights, ids = K.moe_route_softmax(self.router(x), self.top_k, self.renormalize)  # [N, k] each
-        return self.experts(x, weights, ids, self.shared(x), self.shared_gate(x))
-
-
-def _swiglu(ctx, prefix: str, inter: int, role: str) -> SwiGLU:
-    h = ctx.model.hidden_size
-    return SwiGLU(ctx.linear(prefix + "gate_proj", inter, h, role), ctx.linear(prefix + "up_proj", inter, h, role),
-                  ctx.linear(prefix + "down_proj", h, inter, role))
+        logits, gate, up, shared_gate = self.x_proj(x)  # [N, E], [N, I_s] twice, [N, 1]
+        weights, ids = K.moe_route_softmax(logits, self.top_k, self.renormalize)  # [N, k] each
+        shared = self.shared_down(torch.nn.functional.silu(gate) * up)
+        return self.experts(x, weights, ids, shared, shared_gate)
 
 
 def build_swiglu(ctx, prefix: str) -> SwiGLU:
-    return _swiglu(ctx, prefix, ctx.model.intermediate_size, "ffn")
+    m = ctx.model
+    h, inter = m.hidden_size, m.intermediate_size
+    return SwiGLU(Projections([ctx.linear(prefix + "gate_proj", inter, h, "ffn"),
+                               ctx.linear(prefix + "up_proj", inter, h, "ffn")]),
+                  ctx.linear(prefix + "down_proj", h, inter, "ffn"))
 
 
 def build_moe(ctx, prefix: str) -> MoE:
@@ -132,7 +135,10 @@ def build_moe(ctx, prefix: str) -> MoE:
                                                  m.hidden_size, ctx.dtype, ctx.device)
     experts = (ExpertsNVFP4.quantize(w_gate_up, w_down, prefix + "experts.") if ctx.fmt("experts") == "nvfp4"
                else Experts(w_gate_up, w_down))
-    return MoE(ctx.linear(prefix + "gate", m.num_experts, m.hidden_size, "router"), experts,
-               _swiglu(ctx, prefix + "shared_expert.", m.shared_expert_intermediate_size, "shared_expert"),
-               ctx.linear(prefix + "shared_expert_gate", 1, m.hidden_size, "router"), m.num_experts_per_tok,
+    h, shared, inter = m.hidden_size, prefix + "shared_expert.", m.shared_expert_intermediate_size
+    x_proj = Projections([ctx.linear(prefix + "gate", m.num_experts, h, "router"),
+                          ctx.linear(shared + "gate_proj", inter, h, "shared_expert"),
+                          ctx.linear(shared + "up_proj", inter, h, "shared_expert"),
+                          ctx.linear(prefix + "shared_expert_gate", 1, h, "router")])
+    return MoE(x_proj, experts, ctx.linear(shared + "down_proj", h, inter, "shared_expert"), m.num_experts_per_tok,
                m.norm_topk_prob)

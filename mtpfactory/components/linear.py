@@ -89,6 +89,45 @@ class LinearNVFP4(Linear):
         return logits, y
 
 
+class Projections(nn.Module):
+    """Projections of one input, `x @ W_i^T` for each part, by one GEMV where their storage allows: parts stored
+    alike unquantized, or alike FP8 (a scale a row, so the stacked weight is each part's exactly), are stacked
+    row-wise into one weight; NVFP4 parts (a global scale each) or parts stored otherwise run apart. `forward`
+    returns each part's output in order, views of the one output's columns where stacked. Each part keeps its
+    checkpoint name (`dequantize()` gives its weight back by that name); a stacked projection is named by its
+    parts' names joined with "+"."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        super().__init__()
+        self.names = [p.name for p in parts]
+        self.sizes = [p.out_features for p in parts]
+        fmts = {p.fmt for p in parts}
+        self.stacked = (len(parts) > 1 and len(fmts) == 1 and fmts <= {"unq", "fp8"}
+                        and len({p.split_work for p in parts}) == 1)
+        self.parts = nn.ModuleList([_stack(parts)] if self.stacked else parts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [M, in] -> ([M, out_i], ...)
+        if self.stacked:
+            return self.parts[0](x).split(self.sizes, dim=-1)
+        return tuple(p(x) for p in self.parts)
+
+    def dequantize(self) -> dict[str, torch.Tensor]:
+        """Each part's weight [out_i, in] as the head computes with it, by its checkpoint name (without
+        `.weight`)."""
+        if self.stacked:
+            return dict(zip(self.names, self.parts[0].dequantize().split(self.sizes)))
+        return {p.name: p.dequantize() for p in self.parts}
+
+
+def _stack(parts: list[Linear]) -> Linear:
+    """One projection of the parts' rows in order, stored as they are (unquantized, or FP8 with their row scales)."""
+    weight = torch.cat([p.weight.data for p in parts])
+    name, split_work = "+".join(p.name for p in parts), parts[0].split_work
+    if parts[0].fmt == "fp8":
+        return LinearFP8(weight, torch.cat([p.weight_scale.data for p in parts]), name, split_work)
+    return Linear(weight, name, split_work)
+
+
 def nvfp4_k_refusal(field: str, k: int, fix: str) -> WeightsError | None:
     """Why a weight of `k` columns cannot be stored NVFP4, naming the setting that stores it otherwise, or None."""
     if k % NVFP4_BLOCK:

@@ -10,7 +10,7 @@ import torch
 
 import mtpfactory
 from mtpfactory.components.ffn import ExpertsNVFP4
-from mtpfactory.components.linear import Linear
+from mtpfactory.components.linear import Linear, Projections
 from mtpfactory.errors import ConfigError, WeightsError
 from mtpfactory.weights.synthetic import qwen_mtp_weights
 
@@ -39,12 +39,20 @@ def dequantized_weights(head, quantized):
     """The synthetic checkpoint with every quantized tensor replaced by what the head computes with."""
     w = dict(synthetic(head))
     for m in quantized.modules():
-        if isinstance(m, Linear) and m.fmt != "unq":
+        if isinstance(m, Projections):   # its parts by their names (a stacked part's own name is theirs joined)
+            w.update({name + ".weight": t for name, t in m.dequantize().items()})
+        elif isinstance(m, Linear) and m.fmt != "unq" and m.name + ".weight" in w:
             w[m.name + ".weight"] = m.dequantize()
         if isinstance(m, ExpertsNVFP4):
             w = {k: v for k, v in w.items() if ".mlp.experts." not in k}
             w["mtp.layers.0.mlp.experts.gate_up_proj"], w["mtp.layers.0.mlp.experts.down_proj"] = m.dequantize()
     return w
+
+
+def linears(head) -> dict[str, Linear]:
+    """{checkpoint name: the projection that stores it}: a projection stacked from several (`Projections`) is
+    named by theirs joined with "+", and stores each."""
+    return {name: m for m in head.modules() if isinstance(m, Linear) for name in m.name.split("+")}
 
 
 def run(head, rows=20, seed=0, hidden_out=False):
@@ -219,7 +227,7 @@ def test_quantization_error_against_the_unquantized_head(case, budget):
 def test_weight_only_nvfp4_dense_head_keeps_fc_k_v_unquantized():
     head = build("dense", "quant=nvfp4")
     assert "weight-only NVFP4" in head.summary() and "LM head nvfp4" in head.summary()
-    fmts = {m.name.rsplit(".", 1)[-1]: m.fmt for m in head.modules() if isinstance(m, Linear)}
+    fmts = {name.rsplit(".", 1)[-1]: m.fmt for name, m in linears(head).items()}
     assert fmts["fc"] == fmts["k_proj"] == fmts["v_proj"] == "unq"
     assert fmts["q_proj"] == fmts["o_proj"] == fmts["gate_proj"] == fmts["up_proj"] == fmts["down_proj"] == "nvfp4"
 
@@ -252,10 +260,10 @@ def table_formats(head, quant, lm_head, experts_nvfp4):
 def test_every_projection_is_stored_as_the_quant_table_says(head, quant, lm_head, experts_nvfp4):
     built = build(head, f"quant={quant}", f"quant.lm_head={lm_head}", f"levers.experts_nvfp4={experts_nvfp4}",
                   "runtime.backend=native", "runtime.dtype=bfloat16")
-    linears = {m.name: m for m in built.modules() if isinstance(m, Linear)}
+    projections = linears(built)
     want, experts = table_formats(head, quant, lm_head, experts_nvfp4)
-    assert {name: m.fmt for name, m in linears.items()} == want
-    for name, m in linears.items():
+    assert {name: m.fmt for name, m in projections.items()} == want
+    for name, m in projections.items():
         assert m.weight.dtype == STORED[m.fmt], name
     if experts is None:
         assert not hasattr(built.ffn, "experts")
