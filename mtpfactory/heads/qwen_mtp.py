@@ -24,8 +24,8 @@ from mtpfactory.build import BuildContext, allocated, runtime_dtype
 from mtpfactory.components.cache import PagedKVCache, PoolSpec, drafter_pool_blocks
 from mtpfactory.components.ffn import build_moe, build_swiglu
 from mtpfactory.components.linear import Linear
-from mtpfactory.components.norms import RMSNorm
 from mtpfactory.components.lm_head import LMHead
+from mtpfactory.components.norms import RMSNorm
 from mtpfactory.errors import ConfigError, WeightsError
 from mtpfactory.heads.base import DraftHead, PrefillScratch
 from mtpfactory.heads.spec import HeadBuilder
