@@ -58,6 +58,7 @@ def cases() -> dict[str, object]:
         "embed_norm_cat": lambda: K.embed_norm_cat(ids, table, w, x, w, 1e-6, True),
         "rope_neox": lambda: K.rope_neox(q, pos, inv_freq),
         "rms_norm_rope": lambda: K.rms_norm_rope(q, w[:256], 1e-6, True, pos, inv_freq),
+        "silu_mul": lambda: K.silu_mul(x, x),
         "paged_decode_attention": lambda: K.paged_decode_attention(q, kc, vc, tables, lens, 0.0625, gate),
         "moe_route_softmax": lambda: K.moe_route_softmax(logits, 2, True),
         "fused_moe": lambda: K.fused_moe(x, w_gate_up, w_down, topk_w, topk_ids),

@@ -177,7 +177,7 @@ def test_host_cost_times_every_op_with_its_kernels_not_launched():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     rows = [line.rsplit(None, 3)[0] for line in run.stdout.splitlines()[1:]]
-    assert rows == ["rms_norm", "linear", "embedding", "embed_norm_cat", "rope_neox", "rms_norm_rope",
+    assert rows == ["rms_norm", "linear", "embedding", "embed_norm_cat", "rope_neox", "rms_norm_rope", "silu_mul",
                     "paged_decode_attention", "moe_route_softmax", "fused_moe", "argmax", "step dense", "truncate",
                     "step bf16_moe"]
     bad = subprocess.run([sys.executable, str(SCRIPTS / "host_cost.py"), "--profile", "nope"],

@@ -24,8 +24,7 @@ class SwiGLU(nn.Module):
         self.gate_up, self.down = gate_up, down  # gate_up: (gate_proj, up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
-        gate, up = self.gate_up(x)
-        return self.down(torch.nn.functional.silu(gate) * up)
+        return self.down(K.silu_mul(*self.gate_up(x)))
 
 
 class Experts(nn.Module):
@@ -116,7 +115,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         logits, gate, up, shared_gate = self.x_proj(x)  # [N, E], [N, I_s] twice, [N, 1]
         weights, ids = K.moe_route_softmax(logits, self.top_k, self.renormalize)  # [N, k] each
-        shared = self.shared_down(torch.nn.functional.silu(gate) * up)
+        shared = self.shared_down(K.silu_mul(gate, up))
         return self.experts(x, weights, ids, shared, shared_gate)
 
 

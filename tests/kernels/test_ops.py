@@ -21,8 +21,8 @@ ACCEPTS = lambda *args, **kwargs: None  # noqa: E731  (an op contract that refus
 def test_every_op_has_a_triton_provider():
     defined = ops.all_ops()
     assert {"linear", "linear_fp8", "linear_nvfp4", "rms_norm", "rope_neox", "rms_norm_rope", "embed_norm_cat",
-            "reshape_and_cache", "reshape_and_cache_fp8", "paged_decode_attention", "moe_route_softmax", "fused_moe",
-            "fused_moe_nvfp4", "argmax", "embedding", "quantize_nvfp4", "quantize_fp8"} <= set(defined)
+            "silu_mul", "reshape_and_cache", "reshape_and_cache_fp8", "paged_decode_attention", "moe_route_softmax",
+            "fused_moe", "fused_moe_nvfp4", "argmax", "embedding", "quantize_nvfp4", "quantize_fp8"} <= set(defined)
     assert [name for name, op in defined.items() if "triton" not in op.providers] == []
 
 
