@@ -22,7 +22,7 @@ from mtpfactory.kernels.rms_norm_rope import rms_norm_rope
 from mtpfactory.kernels.rope import rope_neox
 from mtpfactory.kernels.silu_mul import silu_mul
 
-__all__ = ["argmax", "embed_norm_cat", "embedding", "fused_moe", "fused_moe_nvfp4", "linear", "linear_fp8", "linear_nvfp4",
-           "moe_route_softmax", "paged_decode_attention",
-           "quantize_fp8", "quantize_nvfp4", "reshape_and_cache", "reshape_and_cache_fp8", "rms_norm",
-           "rms_norm_linear_nvfp4", "rms_norm_rope", "rope_neox", "silu_mul"]
+__all__ = ["argmax", "embed_norm_cat", "embedding", "fused_moe", "fused_moe_nvfp4", "linear", "linear_fp8",
+           "linear_nvfp4", "moe_route_softmax", "paged_decode_attention", "quantize_fp8", "quantize_nvfp4",
+           "reshape_and_cache", "reshape_and_cache_fp8", "rms_norm", "rms_norm_linear_nvfp4", "rms_norm_rope",
+           "rope_neox", "silu_mul"]

@@ -8,12 +8,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.rms_norm import norm_contract, rms_norm
-from mtpfactory.kernels.rope import rope_neox
+from mtpfactory.kernels.rope import rope_cos_sin, rope_neox, rope_rotate
 from mtpfactory.ops import Op, cdiv, next_power_of_2, number_refusal, out_or_empty, out_refusal, overlap_refusal
 
 
@@ -72,21 +71,11 @@ def _rms_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, y_ptr, heads, D, 
     y1 = cast_rne(x1 * rstd * w1, dtype).to(tl.float32)
     y2 = cast_rne(x2 * rstd * w2, dtype).to(tl.float32)
 
-    angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=im, other=0.0).to(tl.float32)
-    if LIBDEVICE_TRIG:  # the GPU: __nv_cosf / __nv_sinf, which torch's CUDA cos / sin call too
-        c, s = libdevice.cos(angle), libdevice.sin(angle)
-    else:  # the interpreter, which has no libdevice
-        c, s = tl.cos(angle), tl.sin(angle)
-    c = cast_rne(c, dtype).to(tl.float32)[None, :]  # [1, BHALF]
-    s = cast_rne(s, dtype).to(tl.float32)[None, :]
-
+    c, s = rope_cos_sin(pos_ptr, n, inv_freq_ptr, i, im, dtype, LIBDEVICE_TRIG)  # [1, BHALF] each
+    o1, o2 = rope_rotate(y1, y2, c, s, dtype)
     dst = y_ptr + n * stride_yn + h[:, None].to(tl.int64) * stride_yh  # [BH, 1]
-    a1 = cast_rne(y1 * c, dtype).to(tl.float32)
-    b1 = cast_rne(-y2 * s, dtype).to(tl.float32)
-    tl.store(dst + i[None, :].to(tl.int64) * stride_yd, cast_rne(a1 + b1, dtype), mask=m)
-    a2 = cast_rne(y2 * c, dtype).to(tl.float32)
-    b2 = cast_rne(y1 * s, dtype).to(tl.float32)
-    tl.store(dst + (half + i)[None, :].to(tl.int64) * stride_yd, cast_rne(a2 + b2, dtype), mask=m)
+    tl.store(dst + i[None, :].to(tl.int64) * stride_yd, o1, mask=m)
+    tl.store(dst + (half + i)[None, :].to(tl.int64) * stride_yd, o2, mask=m)
     tl.store(dst + j[None, :].to(tl.int64) * stride_yd, cast_rne(xr * rstd * wr, dtype), mask=mr)
 
 

@@ -68,6 +68,29 @@ def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
 # --- Triton ---------------------------------------------------------------------------------------------------
 
 @triton.jit
+def rope_cos_sin(pos_ptr, n, inv_freq_ptr, i, im, dtype: tl.constexpr, LIBDEVICE_TRIG: tl.constexpr):
+    """cos and sin of token n's angles (position times inv_freq[i], pairs i masked by im), each rounded to `dtype`
+    as the reference rounds them: [1, BHALF] in fp32."""
+    angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=im, other=0.0).to(tl.float32)
+    if LIBDEVICE_TRIG:  # the GPU: __nv_cosf / __nv_sinf, which torch's CUDA cos / sin call too
+        c, s = libdevice.cos(angle), libdevice.sin(angle)
+    else:  # the interpreter, which has no libdevice
+        c, s = tl.cos(angle), tl.sin(angle)
+    return cast_rne(c, dtype).to(tl.float32)[None, :], cast_rne(s, dtype).to(tl.float32)[None, :]
+
+
+@triton.jit
+def rope_rotate(x1, x2, c, s, dtype: tl.constexpr):
+    """The rotated halves (x1 cos - x2 sin, x2 cos + x1 sin) in `dtype`, each product and sum rounded to it as the
+    reference's eager ops round."""
+    a1 = cast_rne(x1 * c, dtype).to(tl.float32)
+    b1 = cast_rne(-x2 * s, dtype).to(tl.float32)
+    a2 = cast_rne(x2 * c, dtype).to(tl.float32)
+    b2 = cast_rne(x1 * s, dtype).to(tl.float32)
+    return cast_rne(a1 + b1, dtype), cast_rne(a2 + b2, dtype)
+
+
+@triton.jit
 def _rope_neox_kernel(x_ptr, pos_ptr, inv_freq_ptr, y_ptr, heads, D, half, stride_xn, stride_xh,
                       stride_yn, stride_yh, stride_yd,
                       BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
@@ -82,25 +105,16 @@ def _rope_neox_kernel(x_ptr, pos_ptr, inv_freq_ptr, y_ptr, heads, D, half, strid
     d1 = i.to(tl.int64) * stride_yd  # out's offsets along D in int64: out= may be a view where they pass 2^31
     d2 = (half + i).to(tl.int64) * stride_yd
     hm, im = h < heads, i < half
-    angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=im, other=0.0).to(tl.float32)
-    if LIBDEVICE_TRIG:  # the GPU: __nv_cosf / __nv_sinf, which torch's CUDA cos / sin call too
-        c, s = libdevice.cos(angle), libdevice.sin(angle)
-    else:  # the interpreter, which has no libdevice
-        c, s = tl.cos(angle), tl.sin(angle)
-    c = cast_rne(c, dtype).to(tl.float32)[None, :]  # [1, BHALF]
-    s = cast_rne(s, dtype).to(tl.float32)[None, :]
+    c, s = rope_cos_sin(pos_ptr, n, inv_freq_ptr, i, im, dtype, LIBDEVICE_TRIG)
 
     src = x_ptr + n * stride_xn + h[:, None].to(tl.int64) * stride_xh  # [BH, 1]
     dst = y_ptr + n * stride_yn + h[:, None].to(tl.int64) * stride_yh  # [BH, 1]
     m = hm[:, None] & im[None, :]
     x1 = tl.load(src + i[None, :], mask=m, other=0.0).to(tl.float32)  # [BH, BHALF]
     x2 = tl.load(src + half + i[None, :], mask=m, other=0.0).to(tl.float32)
-    a1 = cast_rne(x1 * c, dtype).to(tl.float32)
-    b1 = cast_rne(-x2 * s, dtype).to(tl.float32)
-    tl.store(dst + d1[None, :], cast_rne(a1 + b1, dtype), mask=m)
-    a2 = cast_rne(x2 * c, dtype).to(tl.float32)
-    b2 = cast_rne(x1 * s, dtype).to(tl.float32)
-    tl.store(dst + d2[None, :], cast_rne(a2 + b2, dtype), mask=m)
+    o1, o2 = rope_rotate(x1, x2, c, s, dtype)
+    tl.store(dst + d1[None, :], o1, mask=m)
+    tl.store(dst + d2[None, :], o2, mask=m)
 
     j = 2 * half + tl.arange(0, BLOCK_REST)  # the pass-through dims
     mr = hm[:, None] & (j < D)[None, :]
