@@ -12,7 +12,7 @@ import triton.language as tl
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.rms_norm import norm_contract, rms_norm
-from mtpfactory.kernels.rope import rope_cos_sin, rope_neox, rope_rotate
+from mtpfactory.kernels.rope import rope_cos_sin, rope_neox, rope_rotate, rope_tables_refusal
 from mtpfactory.ops import Op, cdiv, next_power_of_2, number_refusal, out_or_empty, out_refusal, overlap_refusal
 
 
@@ -79,7 +79,6 @@ def _rms_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, y_ptr, heads, D, 
     tl.store(dst + j[None, :].to(tl.int64) * stride_yd, cast_rne(xr * rstd * wr, dtype), mask=mr)
 
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_BLOCK = 8192                # a program holds its heads' rows in registers; wider heads run the reference
 _MAX_TOKENS = 2**31 - 1          # grid axis 0 (tokens)
 _MAX_HEAD_PROGRAMS = 65535       # grid axis 1 (blocks of heads)
@@ -116,20 +115,14 @@ def rms_norm_rope_refusal(x: torch.Tensor, weight: torch.Tensor, eps: float, zer
         return InputError("x", f"[N, heads, D] = {list(x.shape)}", f"D <= {_MAX_BLOCK} (a program's heads in "
                           f"registers), N <= {_MAX_TOKENS} and heads in at most {_MAX_HEAD_PROGRAMS} programs of "
                           f"{block_heads} (the grid)", fix)
-    if positions.shape[0] != n or positions.dtype not in (torch.int32, torch.int64):
-        return InputError("positions", f"{positions.dtype} {list(positions.shape)}",
-                          f"an int32 or int64 [N] = [{n}] tensor (the kernel reads one position a token)",
-                          f"pass positions.long(), expanded to [{n}] (positions.expand({n}))")
-    if inv_freq.dtype not in _FLOATS:
-        return InputError("inv_freq", f"{inv_freq.dtype} {list(inv_freq.shape)}", "a bf16, fp16 or fp32 tensor",
-                          "pass inv_freq.float() (rope_inv_freq makes fp32)")
+    if err := rope_tables_refusal(x, positions, inv_freq):
+        return err
     if not weight.is_contiguous():
         return InputError("weight", f"{weight.dtype} {list(weight.shape)}, strides {weight.stride()}",
                           f"a contiguous [D] = [{d}] tensor (read with unit stride)", "pass weight.contiguous()")
-    for name, t in (("weight", weight), ("positions", positions), ("inv_freq", inv_freq)):
-        if t.device != x.device:
-            return InputError(name, f"on {t.device}", f"on x's device, {x.device} (the kernel reads it there)",
-                              f"pass {name}.to(x.device)")
+    if weight.device != x.device:
+        return InputError("weight", f"on {weight.device}", f"on x's device, {x.device} (the kernel reads it there)",
+                          "pass weight.to(x.device)")
     return overlap_refusal("out", out, in_place=("x",), x=x, weight=weight, positions=positions, inv_freq=inv_freq)
 
 

@@ -135,6 +135,25 @@ def _rope_blocks(heads: int, d: int, half: int) -> tuple[int, int, int]:
     return min(next_power_of_2(heads), max(1, 4096 // max(block_half, block_rest))), block_half, block_rest
 
 
+def rope_tables_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> InputError | None:
+    """Why a kernel that reads one position a token of x [N, ...] and the inverse frequencies (`rope_cos_sin`)
+    cannot take them, or None: positions an int32 or int64 [N], inv_freq a bf16, fp16 or fp32 tensor, both on x's
+    device (any strides: the launchers pass them contiguous)."""
+    n = x.shape[0]
+    if positions.shape[0] != n or positions.dtype not in (torch.int32, torch.int64):
+        return InputError("positions", f"{positions.dtype} {list(positions.shape)}",
+                          f"an int32 or int64 [N] = [{n}] tensor (the kernel reads one position a token)",
+                          f"pass positions.long(), expanded to [{n}] (positions.expand({n}))")
+    if inv_freq.dtype not in _FLOATS:
+        return InputError("inv_freq", f"{inv_freq.dtype} {list(inv_freq.shape)}", "a bf16, fp16 or fp32 tensor",
+                          "pass inv_freq.float() (rope_inv_freq makes fp32)")
+    for name, t in (("positions", positions), ("inv_freq", inv_freq)):
+        if t.device != x.device:
+            return InputError(name, f"on {t.device}", f"on x's device, {x.device} (the kernel reads it there)",
+                              f"pass {name}.to(x.device)")
+    return None
+
+
 def rope_neox_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> InputError | None:
     """Why `rope_neox_triton` cannot take these operands, as the error it raises (its predicate says no to the
     same calls), or None: x a bf16, fp16 or fp32 [N, heads, D] with unit stride along D (the kernel reads a
@@ -151,17 +170,8 @@ def rope_neox_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
                           "unit stride along D (the kernel reads a head's dims in a row)", "pass x.contiguous()")
     if err := _rope_neox_shape_refusal(x, positions, inv_freq):
         return err
-    if positions.shape[0] != n or positions.dtype not in (torch.int32, torch.int64):
-        return InputError("positions", f"{positions.dtype} {list(positions.shape)}",
-                          f"an int32 or int64 [N] = [{n}] tensor (the kernel reads one position a token)",
-                          f"pass positions.long(), expanded to [{n}] (positions.expand({n}))")
-    if inv_freq.dtype not in _FLOATS:
-        return InputError("inv_freq", f"{inv_freq.dtype} {list(inv_freq.shape)}", "a bf16, fp16 or fp32 tensor",
-                          "pass inv_freq.float() (rope_inv_freq makes fp32)")
-    for name, t in (("positions", positions), ("inv_freq", inv_freq)):
-        if t.device != x.device:
-            return InputError(name, f"on {t.device}", f"on x's device, {x.device} (the kernel reads it there)",
-                              f"pass {name}.to(x.device)")
+    if err := rope_tables_refusal(x, positions, inv_freq):
+        return err
     block_heads = _rope_blocks(heads, d, inv_freq.numel())[0]
     if d > _MAX_BLOCK or n > _MAX_TOKENS or cdiv(heads, block_heads) > _MAX_HEAD_PROGRAMS:
         return InputError("x", f"[N, heads, D] = {list(x.shape)}",
