@@ -11,8 +11,7 @@ import triton.language as tl
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.embedding import embedding
-from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.kernels.rms_norm import norm_contract, rms_norm
+from mtpfactory.kernels.rms_norm import norm_contract, norm_row, rms_norm
 from mtpfactory.ops import (Op, next_power_of_2, number_refusal, out_or_empty, out_refusal, overlap_refusal,
                             write_out)
 
@@ -55,20 +54,10 @@ embed_norm_cat = Op("embed_norm_cat", _embed_norm_cat_native, _contract)
 # --- Triton ---------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _norm_row(x, w_ptr, cols, mask, H, eps, dtype: tl.constexpr, ZERO_CENTRED: tl.constexpr):
-    """`rms_norm`'s kernel on one fp32 row in registers: x * rstd * w, rounded to `dtype`."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if ZERO_CENTRED:
-        w = w + 1.0
-    return cast_rne(x * rstd * w, dtype)
-
-
-@triton.jit
 def _embed_norm_cat_kernel(ids_ptr, table_ptr, ew_ptr, hidden_ptr, hw_ptr, out_ptr, V, H, eps, stride_v,
                            stride_hn, stride_on, ZERO_CENTRED: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Program n: row n of out, [normed table[ids[n]], normed hidden[n]]. An id outside [0, V) reads nothing
-    (a row of zeros, normed to zeros), as the embedding op's kernel."""
+    """Program n: row n of out, [normed table[ids[n]], normed hidden[n]], each as `rms_norm`'s kernel norms a row.
+    An id outside [0, V) reads nothing (a row of zeros, normed to zeros), as the embedding op's kernel."""
     n = tl.program_id(0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_H)
@@ -78,8 +67,8 @@ def _embed_norm_cat_kernel(ids_ptr, table_ptr, ew_ptr, hidden_ptr, hw_ptr, out_p
     e = tl.load(table_ptr + row * stride_v + cols, mask=mask & row_ok, other=0.0).to(tl.float32)
     h = tl.load(hidden_ptr + n * stride_hn + cols, mask=mask, other=0.0).to(tl.float32)
     dst = out_ptr + n * stride_on + cols
-    tl.store(dst, _norm_row(e, ew_ptr, cols, mask, H, eps, dtype, ZERO_CENTRED), mask=mask)
-    tl.store(dst + H, _norm_row(h, hw_ptr, cols, mask, H, eps, dtype, ZERO_CENTRED), mask=mask)
+    tl.store(dst, norm_row(e, ew_ptr, cols, mask, H, eps, dtype, ZERO_CENTRED), mask=mask)
+    tl.store(dst + H, norm_row(h, hw_ptr, cols, mask, H, eps, dtype, ZERO_CENTRED), mask=mask)
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)

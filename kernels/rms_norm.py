@@ -85,6 +85,17 @@ rms_norm = Op("rms_norm", _rms_norm_native, _rms_norm_contract)
 # --- Triton ---------------------------------------------------------------------------------------------------
 
 @triton.jit
+def norm_row(x, w_ptr, cols, mask, H, eps, dtype: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """One row x (fp32 [BLOCK_H], zero past H) normalized as the reference does it, x * rstd * w (w + 1 when
+    ZERO_CENTRED) in fp32, rounded to `dtype`."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        w = w + 1.0
+    return cast_rne(x * rstd * w, dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, pairs_ptr, exp_ptr, H, eps, k_per_split,
                      HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK_H: tl.constexpr,
                      X_PAIRS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, ORDER: tl.constexpr):
@@ -103,11 +114,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, pairs_ptr, exp_ptr, 
         s = cast_rne(x + r, y_ptr.dtype.element_ty)  # the sum in x's dtype, as the reference rounds it
         tl.store(sum_ptr + row * H + cols, s, mask=mask)
         x = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if ZERO_CENTRED:
-        w = w + 1.0
-    y = cast_rne(x * rstd * w, y_ptr.dtype.element_ty)
+    y = norm_row(x, w_ptr, cols, mask, H, eps, y_ptr.dtype.element_ty, ZERO_CENTRED)
     tl.store(y_ptr + row * H + cols, y, mask=mask)
     if X_PAIRS:
         x_pairs_of_row(y.to(tl.float32), cols, H, pairs_ptr + row * (H // 2),

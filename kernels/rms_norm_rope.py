@@ -12,8 +12,8 @@ import triton.language as tl
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.rms_norm import norm_contract, rms_norm
-from mtpfactory.kernels.rope import rope_cos_sin, rope_neox, rope_rotate, rope_tables_refusal
-from mtpfactory.ops import Op, cdiv, next_power_of_2, number_refusal, out_or_empty, out_refusal, overlap_refusal
+from mtpfactory.kernels.rope import rope_blocks, rope_cos_sin, rope_neox, rope_rotate, rope_tables_refusal
+from mtpfactory.ops import Op, cdiv, number_refusal, out_or_empty, out_refusal, overlap_refusal
 
 
 def _contract(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, positions: torch.Tensor,
@@ -85,11 +85,8 @@ _MAX_HEAD_PROGRAMS = 65535       # grid axis 1 (blocks of heads)
 
 
 def _blocks(heads: int, d: int, half: int) -> tuple[int, int, int]:
-    """(BLOCK_HEADS, BLOCK_HALF, BLOCK_REST): each rotated half and the tail in one block, as many heads a program
-    as keep its tiles near 2048 elements (three of them live at once, in fp32)."""
-    block_half = next_power_of_2(max(half, 1))
-    block_rest = next_power_of_2(max(d - 2 * half, 1))
-    return min(next_power_of_2(heads), max(1, 2048 // max(block_half, block_rest))), block_half, block_rest
+    """`rope_blocks` near 2048 elements a tile: three of them live at once here, in fp32 (x's halves and tail)."""
+    return rope_blocks(heads, d, half, tile=2048)
 
 
 def rms_norm_rope_refusal(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,

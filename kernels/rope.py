@@ -127,12 +127,12 @@ _MAX_TOKENS = 2**31 - 1                    # grid axis 0 (tokens)
 _MAX_HEAD_PROGRAMS = 65535                 # grid axis 1 (blocks of heads)
 
 
-def _rope_blocks(heads: int, d: int, half: int) -> tuple[int, int, int]:
+def rope_blocks(heads: int, d: int, half: int, tile: int = 4096) -> tuple[int, int, int]:
     """(BLOCK_HEADS, BLOCK_HALF, BLOCK_REST) of a launch: the rotated half and the pass-through tail each in one
-    block, as many heads a program as keep its tiles near 4096 elements."""
+    block, as many heads a program as keep its tiles near `tile` elements."""
     block_half = next_power_of_2(max(half, 1))
     block_rest = next_power_of_2(max(d - 2 * half, 1))
-    return min(next_power_of_2(heads), max(1, 4096 // max(block_half, block_rest))), block_half, block_rest
+    return min(next_power_of_2(heads), max(1, tile // max(block_half, block_rest))), block_half, block_rest
 
 
 def rope_tables_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> InputError | None:
@@ -172,7 +172,7 @@ def rope_neox_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
         return err
     if err := rope_tables_refusal(x, positions, inv_freq):
         return err
-    block_heads = _rope_blocks(heads, d, inv_freq.numel())[0]
+    block_heads = rope_blocks(heads, d, inv_freq.numel())[0]
     if d > _MAX_BLOCK or n > _MAX_TOKENS or cdiv(heads, block_heads) > _MAX_HEAD_PROGRAMS:
         return InputError("x", f"[N, heads, D] = {list(x.shape)}",
                           f"D <= {_MAX_BLOCK} (one head in a program), N <= {_MAX_TOKENS} and heads in at most "
@@ -199,7 +199,7 @@ def rope_neox_launch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
     if N == 0 or heads == 0 or D == 0:
         return y
     half = inv_freq.numel()
-    block_heads, block_half, block_rest = _rope_blocks(heads, D, half)
+    block_heads, block_half, block_rest = rope_blocks(heads, D, half)
     _rope_neox_kernel[(N, cdiv(heads, block_heads))](
         x, positions.contiguous(), inv_freq.contiguous(), y, heads, D, half, x.stride(0), x.stride(1), *y.stride(),
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, BLOCK_REST=block_rest, LIBDEVICE_TRIG=x.is_cuda,

@@ -85,7 +85,8 @@ def test_in_place_on_a_slice_of_the_q_gate_rows_leaves_the_gates():
     them; the gates beside them stay as they were."""
     q, w, positions, inv_freq = _operands(3, 4, 20, 8, torch.bfloat16, 3)
     want = rms_norm_rope.reference(q, w, 1e-6, True, positions, inv_freq)
-    qg = q._base if q._base is not None else q
+    qg = q._base  # the q|gate rows q is a slice of
+    assert qg.shape == (3, 4, 40)
     gates = qg[..., 20:].clone()
     with ops.use_backend("triton"):
         assert rms_norm_rope(q, w, 1e-6, True, positions, inv_freq, out=q) is q
