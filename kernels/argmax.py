@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import Op, cdiv, next_power_of_2, out_or_empty, out_refusal, overlap_refusal, write_out
+from mtpfactory.ops import FLOATS, Op, cdiv, next_power_of_2, out_or_empty, out_refusal, overlap_refusal, write_out
 
 
 def _argmax_shape_refusal(logits: torch.Tensor) -> InputError | None:
@@ -97,7 +97,6 @@ def _argmax_partials_kernel(part_ptr, out_ptr, stride_o, n_chunks, BLOCK: tl.con
     tl.store(out_ptr + b * stride_o, key_index(top))
 
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK = 2048  # elements per first-stage program: V = 152k gives 75 programs a row
 _MAX_V = 2**30  # indices are int32 in the kernel
 _MAX_ROWS = 2**31 - 1  # grid axis 0 (rows)
@@ -118,7 +117,7 @@ def argmax_refusal(logits: torch.Tensor, chunk: int | None = None) -> InputError
     1 <= V <= 2^30 (int32 indices), B < 2^31 (the grid), unit stride along V (rows at any stride); a given
     chunk a power of two, of at most 2^20 elements (one tl.arange) once capped at V, that cuts V into at most
     65535 chunks (the grid)."""
-    if logits.dim() != 2 or logits.dtype not in _FLOATS:
+    if logits.dim() != 2 or logits.dtype not in FLOATS:
         return InputError("logits", f"{logits.dtype} {list(logits.shape)}", "a 2-D bf16, fp16 or fp32 [B, V] tensor",
                           "call the op (`argmax`) under runtime.backend=auto: it runs the reference for others")
     if err := _argmax_shape_refusal(logits):

@@ -71,7 +71,6 @@ def _embed_norm_cat_kernel(ids_ptr, table_ptr, ew_ptr, hidden_ptr, hw_ptr, out_p
     tl.store(dst + H, norm_row(h, hw_ptr, cols, mask, H, eps, dtype, ZERO_CENTRED), mask=mask)
 
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_H = 16384            # two rows of a program in registers; wider ones run the reference
 _MAX_TOKENS = 2**31 - 1   # the grid
 

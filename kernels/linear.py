@@ -31,17 +31,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mtpfactory import ops
 from mtpfactory.errors import InputError, MtpfError, WeightsError
 from mtpfactory.kernels.fp_bits import pow2, times_pow2
-from mtpfactory.ops import Op, cdiv, next_power_of_2
+from mtpfactory.ops import FLOATS, Op, cdiv, next_power_of_2
 
 MAX_M = 32
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SM_COUNT_H200 = 132
 
 
 def activation_refusal(x: torch.Tensor) -> InputError | None:
     """Why x cannot be a linear's activations, or None: a bf16, fp16 or fp32 [..., K] tensor (the first rule of
     every linear's contract, `linear_contract` and `nvfp4_contract`)."""
-    if x.dim() == 0 or x.dtype not in _FLOAT_DTYPES:
+    if x.dim() == 0 or x.dtype not in FLOATS:
         return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a bf16, fp16 or fp32 [..., K] tensor",
                           "pass the activations in the run's dtype, K last")
     return None
@@ -631,7 +630,7 @@ def _linear_launch(x: torch.Tensor, weight: torch.Tensor, split_k: bool, out: to
 
 def x_refusal(x: torch.Tensor, op: str) -> InputError | None:
     """Why the small-M kernels of `op` cannot take x, or None: a 2-D bf16, fp16 or fp32 [M <= 32, K] tensor."""
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+    if x.dim() != 2 or x.dtype not in FLOATS:
         return InputError("x", f"{x.dtype} {tuple(x.shape)}", "a 2-D bf16, fp16 or fp32 [M, K] tensor",
                           "flatten the leading dimensions into M")
     if x.shape[0] > MAX_M:

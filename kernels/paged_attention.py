@@ -19,11 +19,10 @@ import triton
 import triton.language as tl
 
 from mtpfactory.errors import InputError
-from mtpfactory.ops import (Op, broadcasts_to, cdiv, check_indices, next_power_of_2, number_refusal, out_or_empty,
-                            out_refusal, overlap_refusal, sm_count, write_out)
+from mtpfactory.ops import (FLOATS, Op, broadcasts_to, cdiv, check_indices, next_power_of_2, number_refusal,
+                            out_or_empty, out_refusal, overlap_refusal, sm_count, write_out)
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_KV_DTYPES = (*_FLOATS, torch.float8_e4m3fn)
+_KV_DTYPES = (*FLOATS, torch.float8_e4m3fn)
 _INTS = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -487,7 +486,7 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     if err := number_refusal("scale", scale):
         return err
     b, hq, d = q.shape
-    if q.dtype not in _FLOATS or d > _MAX_D or b > _MAX_SEQS:
+    if q.dtype not in FLOATS or d > _MAX_D or b > _MAX_SEQS:
         return InputError("q", f"{q.dtype} {list(q.shape)}",
                           f"a bf16, fp16 or fp32 [B, q_heads, D] tensor, D <= {_MAX_D}, B <= {_MAX_SEQS} (the grid)",
                           "call the op (`paged_decode_attention`) under runtime.backend=auto: it runs the reference "
@@ -525,7 +524,7 @@ def paged_decode_attention_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         return InputError("v_cache", f"{v_cache.dtype} {list(v_cache.shape)}",
                           f"k_cache's shape and dtype, {k_cache.dtype} {list(k_cache.shape)} (the kernel walks both "
                           "by one block table)", "pass the V cache of this K cache")
-    if gate is not None and (gate.shape != q.shape or gate.dtype not in _FLOATS):
+    if gate is not None and (gate.shape != q.shape or gate.dtype not in FLOATS):
         return InputError("gate", f"{gate.dtype} {list(gate.shape)}",
                           f"None or a bf16, fp16 or fp32 tensor of q's shape {list(q.shape)}",
                           "pass a bf16, fp16 or fp32 gate of q's shape (gate.expand_as(q))")

@@ -22,10 +22,9 @@ import triton.language as tl
 from mtpfactory import quant
 from mtpfactory.kernels.fp_bits import e4m3_rne_bits
 from mtpfactory.errors import MtpfError, WeightsError
-from mtpfactory.ops import Op, cdiv, check_outs, next_power_of_2, outs_overlap_refusal, outs_refusal, write_outs
+from mtpfactory.ops import FLOATS, Op, cdiv, check_outs, next_power_of_2, outs_overlap_refusal, outs_refusal, write_outs
 from mtpfactory.quant.fp8 import FP8_E4M3_MAX, check_finite, matrix_refusal
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_NAMES = ("weight", "weight_scale")
 
 
@@ -122,7 +121,7 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, N, K,
 def weight_refusal(w: torch.Tensor, name: str) -> WeightsError | None:
     """Why the kernel cannot quantize `w`, as the error the provider raises (its predicate says no to the same
     calls), or None: a 2-D fp32, bf16 or fp16 [N, K] tensor with elements (also quantize_nvfp4's rule)."""
-    if w.dtype not in _DTYPES or w.dim() != 2 or w.numel() == 0:
+    if w.dtype not in FLOATS or w.dim() != 2 or w.numel() == 0:
         return WeightsError(name, f"{w.dtype} {tuple(w.shape)}", "a 2-D fp32, bf16 or fp16 [N, K] tensor with "
                             "elements", "pass the unquantized weight")
     return None

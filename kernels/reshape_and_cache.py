@@ -8,7 +8,7 @@ import triton.language as tl
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, cdiv, check_indices, next_power_of_2
+from mtpfactory.ops import FLOATS, Op, cdiv, check_indices, next_power_of_2
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
 
@@ -135,14 +135,11 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
         _store_rows(v_ptr, stride_vn, stride_vh, v_cache_ptr, n, slot, v_heads, v_dim, h, BLOCK_VD)
 
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # FP8 caches: reshape_and_cache_fp8
-
-
 def kv_rows_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slots: torch.Tensor) -> InputError | None:
     """Why k and v are not float rows [N, kv_heads, D] of their caches, one a slot (both cache writes' rule)."""
     for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        if x.dtype not in _FLOATS:
+        if x.dtype not in FLOATS:
             return InputError(name, f"{x.dtype} {list(x.shape)}", "a bf16, fp16 or fp32 tensor",
                               f"pass {name}.float()")
         if err := rows_refusal(name, x, cache, slots, exact=True):
@@ -176,7 +173,7 @@ def reshape_and_cache_refusal(k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
         return InputError("slots", f"{slots.dtype} {list(slots.shape)}", "a 1-D [N] tensor, one slot a row of k and v",
                           "pass slots.flatten(), with k and v as [N, kv_heads, D] rows")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4 or cache.dtype not in _FLOATS:
+        if cache.dim() != 4 or cache.dtype not in FLOATS:
             fix = ("write FP8 caches with reshape_and_cache_fp8" if cache.dtype == torch.float8_e4m3fn else
                    "call the op (`reshape_and_cache`) under runtime.backend=auto: it runs the reference for others")
             return InputError(name, f"{cache.dtype} {list(cache.shape)}",

@@ -16,7 +16,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
 from mtpfactory.kernels.linear_nvfp4 import XPairs, x_pairs_of_row
-from mtpfactory.ops import (Op, check_out, next_power_of_2, number_refusal, out_refusal, outs_apart_refusal,
+from mtpfactory.ops import (FLOATS, Op, check_out, next_power_of_2, number_refusal, out_refusal, outs_apart_refusal,
                             overlap_refusal)
 
 
@@ -41,11 +41,11 @@ def norm_contract(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
                   residual_out: torch.Tensor | None = None, weight_field: str = "weight") -> InputError | None:
     """Why the reference cannot normalize these, or None (every provider refuses the same calls): x a bf16, fp16
     or fp32 [..., H]; weight (named `weight_field`) a bf16, fp16 or fp32 [H]; residual as `residual_refusal`."""
-    if x.dim() == 0 or x.dtype not in _FLOATS:
+    if x.dim() == 0 or x.dtype not in FLOATS:
         return InputError("x", f"{x.dtype} {list(x.shape)}", "a bf16, fp16 or fp32 [..., H] tensor",
                           "pass the hidden rows in the run's dtype, H last")
     h = x.shape[-1]
-    if weight.dtype not in _FLOATS or tuple(weight.shape) != (h,):
+    if weight.dtype not in FLOATS or tuple(weight.shape) != (h,):
         return InputError(weight_field, f"{weight.dtype} {list(weight.shape)}", f"a bf16, fp16 or fp32 [H] = [{h}] "
                           f"tensor (x is {list(x.shape)})", f"pass the norm's [{h}] weight")
     return residual_refusal(x, residual, residual_out)
@@ -121,7 +121,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, pairs_ptr, exp_ptr, 
                        exp_ptr + row * tl.cdiv(H, k_per_split), k_per_split, BLOCK_H, USE_ASM, ORDER)
 
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_H = 65536  # one row in registers; wider rows fall back to native
 
 

@@ -9,7 +9,7 @@ from triton.language.extra import libdevice
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, cdiv, next_power_of_2, out_or_empty, out_refusal, overlap_refusal, write_out
+from mtpfactory.ops import FLOATS, Op, cdiv, next_power_of_2, out_or_empty, out_refusal, overlap_refusal, write_out
 
 
 def _rope_neox_shape_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> InputError | None:
@@ -121,7 +121,6 @@ def _rope_neox_kernel(x_ptr, pos_ptr, inv_freq_ptr, y_ptr, heads, D, half, strid
     tl.store(dst + j[None, :].to(tl.int64) * stride_yd, tl.load(src + j[None, :], mask=mr, other=0.0), mask=mr)
 
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_BLOCK = tl.TRITON_MAX_TENSOR_NUMEL    # the most elements of one tl.arange
 _MAX_TOKENS = 2**31 - 1                    # grid axis 0 (tokens)
 _MAX_HEAD_PROGRAMS = 65535                 # grid axis 1 (blocks of heads)
@@ -144,7 +143,7 @@ def rope_tables_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torc
         return InputError("positions", f"{positions.dtype} {list(positions.shape)}",
                           f"an int32 or int64 [N] = [{n}] tensor (the kernel reads one position a token)",
                           f"pass positions.long(), expanded to [{n}] (positions.expand({n}))")
-    if inv_freq.dtype not in _FLOATS:
+    if inv_freq.dtype not in FLOATS:
         return InputError("inv_freq", f"{inv_freq.dtype} {list(inv_freq.shape)}", "a bf16, fp16 or fp32 tensor",
                           "pass inv_freq.float() (rope_inv_freq makes fp32)")
     for name, t in (("positions", positions), ("inv_freq", inv_freq)):
@@ -161,7 +160,7 @@ def rope_neox_refusal(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
     at most 65535 programs of heads (the grid); positions int32 or int64 [N] (not [1]: the kernel reads one a
     token) and inv_freq bf16, fp16 or fp32 [rotary_dim / 2], rotary_dim <= D, both on x's device (any
     strides)."""
-    if x.dim() != 3 or x.dtype not in _FLOATS:
+    if x.dim() != 3 or x.dtype not in FLOATS:
         return InputError("x", f"{x.dtype} {list(x.shape)}", "a bf16, fp16 or fp32 [N, heads, D] tensor",
                           "call the op (`rope_neox`) under runtime.backend=auto: it runs the reference for others")
     n, heads, d = x.shape

@@ -11,15 +11,13 @@ from triton.language.extra import libdevice
 
 from mtpfactory.errors import InputError
 from mtpfactory.kernels.fp_bits import cast_rne
-from mtpfactory.ops import Op, cdiv, next_power_of_2, out_or_empty, out_refusal, overlap_refusal, write_out
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+from mtpfactory.ops import FLOATS, Op, cdiv, next_power_of_2, out_or_empty, out_refusal, overlap_refusal, write_out
 
 
 def _contract(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> InputError | None:
     """What the reference refuses before anything runs (every provider refuses the same): gate a bf16, fp16 or fp32
     [N, I]; up of its shape and dtype; `out` of that shape and dtype."""
-    if gate.dim() != 2 or gate.dtype not in _FLOATS:
+    if gate.dim() != 2 or gate.dtype not in FLOATS:
         return InputError("gate", f"{gate.dtype} {list(gate.shape)}", "a bf16, fp16 or fp32 [N, I] tensor",
                           "pass the gate projection's rows")
     if up.shape != gate.shape or up.dtype != gate.dtype:

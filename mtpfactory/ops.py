@@ -39,6 +39,7 @@ from mtpfactory.registry import _qualname, same_definition
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "native")
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)   # the activation dtypes the ops take
 _FAST_PRIORITY = ("triton",)
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _backend: contextvars.ContextVar[str] = contextvars.ContextVar("mtpfactory_backend", default="auto")
