@@ -118,14 +118,16 @@ def build_counting_norm(ctx, name, dim, eps):
     return CountingNorm(ctx.tensor(name, dim), eps, zero_centred=True)
 
 
-def test_user_norm_runs_itself_where_the_builtin_norms_fuse():
-    """The heads fuse the built-in RMSNorm into its neighbours (`embed_norm_cat`, `rms_norm_rope`); a norm of the
-    user's own is called, each of the six a step (q, k, the two fc-input norms, input and post-attention
-    layernorms; the final norm goes through the LM head), and gives the built-in's answer where its math is the
-    same: relative 1e-5 in fp32 through the Triton path (the fused kernels sum each row in another order)."""
+@pytest.mark.parametrize("lm_head", ["bf16", "nvfp4"])
+def test_user_norm_runs_itself_where_the_builtin_norms_fuse(lm_head):
+    """The heads fuse the built-in RMSNorm into its neighbours (`embed_norm_cat`, `rms_norm_rope`, an NVFP4 LM
+    head's `rms_norm_linear_nvfp4`); a norm of the user's own is called, each of the seven once a step (q, k, the
+    two fc-input norms, the input and post-attention layernorms, the final norm), and gives the built-in's answer
+    where its math is the same: relative 1e-5 in fp32 through the Triton path (the fused kernels sum each row in
+    another order)."""
     mtpfactory.register("norm", "test_counting_norm", build_counting_norm, override=True)
-    base = ("+head=bf16_moe", "runtime.dtype=float32", "runtime.device=cpu", "runtime.backend=triton",
-            "runtime.prefill_chunk=32")
+    base = ("+head=bf16_moe", f"quant.lm_head={lm_head}", "runtime.dtype=float32", "runtime.device=cpu",
+            "runtime.backend=triton", "runtime.prefill_chunk=32")
     g = torch.Generator().manual_seed(1)
     tokens, hidden = torch.randint(0, 512, (5,), generator=g), torch.randn(5, 64, generator=g)
     outs = []
@@ -134,7 +136,7 @@ def test_user_norm_runs_itself_where_the_builtin_norms_fuse():
         head.prefill(0, tokens[:4], hidden[:4], torch.arange(4))
         CountingNorm.calls = 0
         outs.append(head.step(torch.tensor([0]), tokens[4:], hidden[4:], torch.tensor([4])))
-    assert CountingNorm.calls >= 6
+    assert CountingNorm.calls == 7, CountingNorm.calls
     for got, want in zip(outs[1], outs[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 

@@ -13,7 +13,7 @@ from torch import nn
 from mtpfactory import kernels as K
 from mtpfactory.components.cache import PagedKVCache
 from mtpfactory.components.linear import Linear, Projections
-from mtpfactory.components.norms import RMSNorm
+from mtpfactory.components.norms import fusable
 from mtpfactory.kernels.rope import rope_inv_freq
 
 
@@ -33,7 +33,7 @@ class GatedGQAAttention(nn.Module):
     def _norm_rope(self, norm: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """norm(x) rotated, [N, heads, D]; x may be a strided view. The built-in RMSNorm makes both in one op
         (`rms_norm_rope`, which reads x at its strides); a norm of another kind (a user's) runs, then the RoPE."""
-        if type(norm) is RMSNorm:
+        if fusable(norm):
             return K.rms_norm_rope(x, norm.weight, norm.eps, norm.zero_centred, positions, self.inv_freq)
         return K.rope_neox(norm(x.contiguous()), positions, self.inv_freq)
 

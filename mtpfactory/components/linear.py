@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mtpfactory import kernels as K
-from mtpfactory.components.norms import RMSNorm
+from mtpfactory.components.norms import RMSNorm, fusable
 from mtpfactory.errors import WeightsError
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_fp8, dequantize_nvfp4
 
@@ -81,8 +81,10 @@ class LinearNVFP4(Linear):
                               split_work=self.split_work)
 
     def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `Linear.after_norm`, in one op (`rms_norm_linear_nvfp4`): on the Triton path the norm makes the
-        GEMV's x pass."""
+        """As `Linear.after_norm`, in one op (`rms_norm_linear_nvfp4`) where the norm is the built-in one: on the
+        Triton path the norm makes the GEMV's x pass. A norm of another kind runs itself first."""
+        if not fusable(norm):
+            return super().after_norm(norm, x, residual)
         logits, y, _ = K.rms_norm_linear_nvfp4(x, norm.weight, norm.eps, norm.zero_centred, self.weight,
                                                self.weight_scale, self.weight_scale_2, residual=residual,
                                                split_work=self.split_work)

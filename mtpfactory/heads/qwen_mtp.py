@@ -25,7 +25,7 @@ from mtpfactory.components.cache import PagedKVCache, PoolSpec, drafter_pool_blo
 from mtpfactory.components.ffn import build_moe, build_swiglu
 from mtpfactory.components.linear import Linear
 from mtpfactory.components.lm_head import LMHead
-from mtpfactory.components.norms import RMSNorm
+from mtpfactory.components.norms import fusable
 from mtpfactory.errors import ConfigError, WeightsError
 from mtpfactory.heads.base import DraftHead, PrefillScratch
 from mtpfactory.heads.spec import HeadBuilder
@@ -64,7 +64,7 @@ class QwenMTPHead(DraftHead):
 
     def _fc_in(self, tokens: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         ne, nh = self.norm_embedding, self.norm_hidden
-        if type(ne) is RMSNorm and type(nh) is RMSNorm and (ne.eps, ne.zero_centred) == (nh.eps, nh.zero_centred):
+        if fusable(ne) and fusable(nh) and (ne.eps, ne.zero_centred) == (nh.eps, nh.zero_centred):
             # the built-in norms: the gather, both norms and the concatenation in one op
             x = K.embed_norm_cat(tokens, self.embed, ne.weight, hidden, nh.weight, ne.eps, ne.zero_centred, out=out)
         else:
