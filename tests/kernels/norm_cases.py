@@ -28,10 +28,9 @@ def bad_norm_operands(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor) -> di
 def assert_norm_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     """A norm against its reference: both compute in fp32 and round once to the output dtype; the row's sum of
     squares is reduced in another order and rsqrt may differ in its last bits, a few fp32 ulps. That moves a
-    16-bit result by one ulp only
-    where the fp32 value lies within a few fp32 ulps of a rounding boundary: so at most 1% of the elements
-    (and at least one allowed) may differ, each by at most one ulp (relative 2**-7 for bf16, 2**-10 for fp16).
-    fp32 keeps the reduction-order error: relative 1e-6, about 8 ulps."""
+    16-bit result by one ulp only where the fp32 value lies within a few fp32 ulps of a rounding boundary: so at
+    most 1% of the elements (and at least one allowed) may differ, each by at most one ulp (relative 2**-7 for
+    bf16, 2**-10 for fp16). fp32 keeps the reduction-order error: relative 1e-6, about 8 ulps."""
     assert got.shape == want.shape and got.dtype == want.dtype
     assert not got.isnan().any(), "an output element was left unwritten"
     if want.dtype == torch.float32:

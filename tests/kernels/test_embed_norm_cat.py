@@ -15,18 +15,14 @@ from mtpfactory.kernels.embed_norm_cat import embed_norm_cat, embed_norm_cat_ref
 from mtpfactory.kernels.embedding import embedding
 from mtpfactory.kernels.rms_norm import rms_norm
 from backend_refusal import assert_backend_refuses, assert_overlap_refused
-from norm_cases import assert_norm_matches
+# each half is a norm computed and rounded as the reference's, its sum of squares in another order: the norms'
+# tolerance (at most 1% of 16-bit elements one ulp off; fp32 relative 1e-6). A swapped half, weight or row misses
+# by far more.
+from norm_cases import assert_norm_matches as assert_matches
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (N, H, V): one row of one element, odd widths, Qwen3-Next's hidden size
 SHAPES = [(1, 1, 3), (5, 7, 11), (33, 64, 40), (2, 130, 5), (3, 2048, 17)]
-
-
-def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Each half is a norm, computed and rounded as the reference's, its sum of squares in another order:
-    `assert_norm_matches`' tolerance (at most 1% of 16-bit elements one ulp off; fp32 relative 1e-6). A swapped
-    half, weight or row misses by far more."""
-    assert_norm_matches(got, want)
 
 
 def _operands(n, h, v, dtype, seed):
