@@ -4,11 +4,21 @@ before triton is first imported (DESIGN 4).
 `python -m pytest` puts the working directory first on sys.path, and from the checkout's root that makes its
 `kernels/` folder (installed as `mtpfactory.kernels`) shadow the `kernels` distribution, which transformers
 (from 5.25, the heads' oracle) imports: `from kernels import CUDAProperties` then fails. The checkout's root
-comes off sys.path here; the tests import the installed package."""
+comes off sys.path here; the tests import the installed package.
 
+On a GPU, the tests share one card, under pytest-xdist's workers too (`-n 4`): a test gives PyTorch's cached GPU
+memory back when it ends, and tests marked `gpu_memory` (each holds a large share of the card: tens of GB at the
+real sizes and past int32's offsets) take a lock first, one at a time on the machine (`_gpu_memory`)."""
+
+import contextlib
+import fcntl
+import gc
 import os
 import shutil
 import sys
+import tempfile
+
+import pytest
 
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -70,3 +80,31 @@ def _patch_interpreter_once_a_launch() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_once_a_launch()
+
+
+@contextlib.contextmanager
+def _one_at_a_time(name: str):
+    """An exclusive lock on a file in the machine's temporary folder, across processes (pytest-xdist's workers);
+    the kernel drops it when its process ends, so a worker that dies leaves it free."""
+    with open(os.path.join(tempfile.gettempdir(), name), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory(request):
+    """Eight workers on one 80 GB H100 ran 10 of the GPU tests out of memory (BENCHMARKS, thirty-seventh run):
+    a worker kept the cache of its last large test (60 GB), and two large tests ran at once. So a test marked
+    `gpu_memory` waits for any other one on this machine to end, and every test that used the GPU gives the
+    cached memory back as it ends. Nothing happens where CUDA was never initialized (every CPU test)."""
+    heavy = request.node.get_closest_marker("gpu_memory") is not None
+    with _one_at_a_time(f"mtpfactory-gpu-memory-{os.getuid()}.lock") if heavy else contextlib.nullcontext():
+        yield
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            if heavy:
+                gc.collect()
+            torch.cuda.empty_cache()

@@ -70,6 +70,7 @@ def _drive(head) -> torch.Tensor:
     return torch.cat(logits)
 
 
+@pytest.mark.gpu_memory
 @pytest.mark.parametrize("case", list(CASES))
 def test_gpu_head_at_real_size_triton_path_equals_native_path(case):
     head, model, overrides = CASES[case]

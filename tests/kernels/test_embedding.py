@@ -197,6 +197,7 @@ def test_gpu_matches_reference(dtype, N, H):
     assert bits_equal(run(ids, table), embedding.reference(ids, table))
 
 
+@pytest.mark.gpu_memory
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_out_offsets_past_int32():

@@ -1014,6 +1014,7 @@ def test_triton_nonfinite_expert_stays_in_its_rows_gpu(e, fmt, where, nvfp4_path
     check_nonfinite_expert(fmt, where, e, "cuda")
 
 
+@pytest.mark.gpu_memory
 @gpu
 @needs_cuda
 @FMT_PATHS

@@ -175,12 +175,14 @@ def test_torch_division_by_a_python_float_on_the_cpu_is_true_division():
 
 # --- real sizes, on the GPU ---------------------------------------------------------------------------------
 
+@pytest.mark.gpu_memory
 @pytest.mark.gpu
 def test_gpu_lm_head_151936x2048():
     gen = torch.Generator(device="cuda").manual_seed(0)
     triton_matches_reference(torch.randn(151936, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02)
 
 
+@pytest.mark.gpu_memory
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_512_experts_of_512x2048_stacked(dtype):

@@ -229,6 +229,7 @@ def test_the_reference_takes_out_too(device):
 
 # --- real sizes, on the GPU ---------------------------------------------------------------------------------
 
+@pytest.mark.gpu_memory
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_lm_head_151936x2048():
@@ -236,6 +237,7 @@ def test_gpu_lm_head_151936x2048():
     triton_matches_reference(torch.randn(151936, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02)
 
 
+@pytest.mark.gpu_memory
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -256,6 +256,7 @@ def test_gpu_matches_reference(dtype, N, heads, D, rd, theta):
     assert_matches(y, rope_neox.reference(x, positions, inv_freq), x, rd)
 
 
+@pytest.mark.gpu_memory
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_out_offsets_past_int32():
