@@ -5,8 +5,8 @@
 #   device: run(command="bash scripts/device_run.sh", carry=[".whl"])
 # GPU_TESTS=0 or BENCH=0 skips a part; GPU_TEST_ARGS picks tests (default: all of tests/; GPU_TEST_S, 420 s, bounds
 # them: 483 took over 280 s on 2026-12-04; GPU_TEST_ARGS='tests -n 4' ran 641 in 184 s on an H100, with pytest-xdist
-# and execnet in .whl: python3 -m pip download --no-deps -d .whl pytest-xdist execnet; -n 8 ran 10 of them out of
-# memory on 80 GB before tests/conftest.py's gpu_memory lock, not run since); BENCH_ARGS passes options to
+# and execnet in .whl: python3 -m pip download --no-deps -d .whl pytest-xdist execnet; -n 8 ran 641 in 151 s there
+# behind tests/conftest.py's gpu_memory lock, 10 of them out of memory before it); BENCH_ARGS passes options to
 # scripts/bench_kernels.py (BENCH_S, 420 s);
 # TUNE_ARGS, when set, runs scripts/tune_gemv.py with them first (TUNE_S, 420 s); OPS_ARGS, when set, runs
 # scripts/bench_ops.py with them after the kernel benchmark (OPS_S, 240 s; OPS_ARGS=--rounds=3 times every op);
