@@ -6,7 +6,7 @@ before triton is first imported (DESIGN 4).
 (from 5.25, the heads' oracle) imports: `from kernels import CUDAProperties` then fails. The checkout's root
 comes off sys.path here; the tests import the installed package.
 
-On a GPU, the tests share one card, under pytest-xdist's workers too (`-n 4`): a test gives PyTorch's cached GPU
+On a GPU, the tests share one card, under pytest-xdist's workers too (`-n 8`): a test gives PyTorch's cached GPU
 memory back when it ends, and tests marked `gpu_memory` (each holds a large share of the card: tens of GB at the
 real sizes and past int32's offsets) take a lock first, one at a time on the machine (`_gpu_memory`)."""
 
