@@ -1,6 +1,6 @@
 """The lock that lets one `gpu_memory` test at a time hold a large share of a GPU (tests/conftest.py's
-`_gpu_memory`): held while such a test runs. flock locks belong to an open file, so a
-second open of the file in this process is refused the lock while the fixture's open holds it."""
+`_gpu_memory`, whose file this names again): held while such a test runs. flock locks belong to an open file, so
+a second open of the file in this process is refused the lock while the fixture's open holds it."""
 
 import fcntl
 import os
