@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mtpfactory import kernels as K
-from mtpfactory.components.norms import RMSNorm, fusable
+from mtpfactory.components.norms import fusable
 from mtpfactory.errors import WeightsError
 from mtpfactory.quant import NVFP4_BLOCK, dequantize_fp8, dequantize_nvfp4
 
@@ -39,7 +39,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         return K.linear(x, self.weight, split_work=self.split_work)
 
-    def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_norm(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(y), y) for y = norm(x + residual): the projection after a head's final norm (its LM head)."""
         y, _ = norm(x, residual=residual)
         return self(y), y
@@ -80,7 +80,7 @@ class LinearNVFP4(Linear):
         return K.linear_nvfp4(x, self.weight, self.weight_scale, self.weight_scale_2,
                               split_work=self.split_work)
 
-    def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_norm(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As `Linear.after_norm`, in one op (`rms_norm_linear_nvfp4`) where the norm is the built-in one: on the
         Triton path the norm makes the GEMV's x pass. A norm of another kind runs itself first."""
         if not fusable(norm):

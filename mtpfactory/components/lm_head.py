@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from mtpfactory.components.linear import Linear, make_linear
-from mtpfactory.components.norms import RMSNorm
 from mtpfactory.errors import WeightsError
 
 log = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ class LMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, draft_vocab]
         return self.proj(x)
 
-    def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_norm(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, y) for the head's final norm y = norm(x + residual), in one op where the format has one
         (`Linear.after_norm`)."""
         return self.proj.after_norm(norm, x, residual)
