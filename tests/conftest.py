@@ -82,11 +82,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_once_a_launch()
 
 
+GPU_MEMORY_LOCK = os.path.join(tempfile.gettempdir(), f"mtpfactory-gpu-memory-{os.getuid()}.lock")
+
+
 @contextlib.contextmanager
-def _one_at_a_time(name: str):
-    """An exclusive lock on a file in the machine's temporary folder, across processes (pytest-xdist's workers);
-    the kernel drops it when its process ends, so a worker that dies leaves it free."""
-    with open(os.path.join(tempfile.gettempdir(), name), "a") as f:
+def _one_at_a_time(path: str):
+    """An exclusive lock on the file at `path`, across processes (pytest-xdist's workers); the kernel drops it
+    when its process ends, so a worker that dies leaves it free."""
+    with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -101,10 +104,16 @@ def _gpu_memory(request):
     `gpu_memory` waits for any other one on this machine to end, and every test that used the GPU gives the
     cached memory back as it ends. Nothing happens where CUDA was never initialized (every CPU test)."""
     heavy = request.node.get_closest_marker("gpu_memory") is not None
-    with _one_at_a_time(f"mtpfactory-gpu-memory-{os.getuid()}.lock") if heavy else contextlib.nullcontext():
+    with _one_at_a_time(GPU_MEMORY_LOCK) if heavy else contextlib.nullcontext():
         yield
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             if heavy:
                 gc.collect()
             torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def gpu_memory_lock() -> str:
+    """The path of the file `_gpu_memory` locks (for its test)."""
+    return GPU_MEMORY_LOCK
